@@ -1,0 +1,73 @@
+"""A build: the recipe's stages run in order, each cached, then the artifact is published."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from infer.runtime.artifact import FORMAT_VERSION
+
+from .config import BuildConfig, QuantMethod, to_plain
+from .package import build_environment, package, publish
+from .sources import load_checkpoint, resolve_source
+from .stage import StageResult, run_stage
+
+log = logging.getLogger("infer.build")
+
+# Bump a stage's version when its code changes what it writes: old cache entries then stop matching.
+STAGE_VERSIONS = {"load": 1, "package": 1}
+
+
+class BuildError(Exception):
+    """A build that cannot go on; the message says why and what to do."""
+
+
+@dataclass
+class BuildResult:
+    artifact: Path
+    stages: list[StageResult] = field(default_factory=list)
+
+
+def recipe_record(cfg: BuildConfig) -> dict:
+    """The recipe as it shapes the artifact: where it is written and cached does not."""
+    plain = to_plain(cfg)
+    plain.pop("output_dir")
+    plain.pop("cache_dir")
+    return plain
+
+
+def check_supported(cfg: BuildConfig) -> None:
+    """Fails before any work for what this build cannot do."""
+    if cfg.quant.method != QuantMethod.none:
+        raise BuildError(f"quant.method={cfg.quant.method.value}: the quantize stage is not available in this "
+                         f"build yet; use quant=none")
+
+
+def build(cfg: BuildConfig) -> BuildResult:
+    check_supported(cfg)
+    cache = Path(cfg.cache_dir).expanduser()
+    source = resolve_source(cfg.model.source, cfg.model.revision, cache)
+    log.info("source %s (%s, sha256 %s)", source.uri, source.kind, source.sha256[:12])
+    dtype = cfg.model.dtype.value
+    loaded = run_stage(cache, "load", {"v": STAGE_VERSIONS["load"], "source": source.identity(), "dtype": dtype},
+                       lambda out: load_checkpoint(source, out, dtype))
+    stages = [loaded]
+    checkpoint = loaded
+    recipe = recipe_record(cfg)
+    env = build_environment()
+    manifest = {
+        "name": cfg.artifact.name,
+        "version": cfg.artifact.version,
+        "recipe": recipe,
+        "source": source.identity(),
+        "build": env,
+        "stages": {s.name: s.key for s in stages},
+    }
+    packaged = run_stage(cache, "package", {"v": STAGE_VERSIONS["package"], "format": FORMAT_VERSION,
+                                            "checkpoint": checkpoint.key, "manifest": manifest},
+                         lambda out: package(checkpoint.path, out, manifest))
+    stages.append(packaged)
+    artifact = publish(packaged.path, Path(cfg.output_dir))
+    log.info("artifact %s %s -> %s", cfg.artifact.name, cfg.artifact.version, artifact)
+    return BuildResult(artifact, stages)

@@ -1,0 +1,180 @@
+"""The recipe schema: every key a recipe may set, its type and its allowed values.
+
+Hydra composes a recipe from ``recipes/``; ``validate`` merges it onto this schema so that an
+unknown key or a bad value fails before any stage runs, with the key and the valid choices named.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields, is_dataclass
+from enum import Enum
+from typing import Any, get_type_hints
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be built; the message names the key and the fix."""
+
+
+class DType(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class QuantMethod(str, Enum):
+    none = "none"
+    gptq = "gptq"
+    awq = "awq"
+    w8a8 = "w8a8"
+    fp8 = "fp8"
+
+
+@dataclass
+class ModelSpec:
+    # embedded:<name> | a local HF directory | a .gguf file | a hub id (org/name)
+    source: str = "embedded:smollm2-135m-instruct"
+    revision: str | None = None  # hub revision (branch, tag or commit)
+    dtype: DType = DType.float32
+
+
+@dataclass
+class QuantSpec:
+    method: QuantMethod = QuantMethod.none
+    bits: int = 4
+    group_size: int = 128  # -1: one group per output channel
+    symmetric: bool = True
+    act_order: bool = False
+    ignore: list[str] = field(default_factory=lambda: ["lm_head"])
+    smoothing_strength: float = 0.8  # SmoothQuant's alpha (w8a8 only)
+    dampening_frac: float = 0.01  # GPTQ Hessian dampening
+
+
+@dataclass
+class CalibSpec:
+    data: str = "pydoc_topics"  # pydoc_topics | a .txt / .jsonl file | a dataset directory
+    samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class TuneSpec:
+    batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    enabled: bool = False
+
+
+@dataclass
+class GateSpec:
+    ppl_increase_pct: float | None = None
+    top1_agreement_min: float | None = None
+    mean_kld_max: float | None = None
+    greedy_agreement_min: float | None = None
+
+
+@dataclass
+class EvalSpec:
+    enabled: bool = False
+    data: str = "pydoc_topics"
+    seq_len: int = 512
+    stride: int = 512
+    max_windows: int = 16
+    gates: GateSpec = field(default_factory=GateSpec)
+
+
+@dataclass
+class ArtifactSpec:
+    name: str = "model"
+    version: str = "0.1.0"
+
+
+@dataclass
+class BuildConfig:
+    recipe: str = "smollm2_135m"
+    output_dir: str = "artifacts/model"
+    cache_dir: str = "~/.cache/infer"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    quant: QuantSpec = field(default_factory=QuantSpec)
+    calib: CalibSpec = field(default_factory=CalibSpec)
+    tune: TuneSpec = field(default_factory=TuneSpec)
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    artifact: ArtifactSpec = field(default_factory=ArtifactSpec)
+
+
+def _keys(cls, prefix: str = "") -> list[str]:
+    hints = get_type_hints(cls)
+    out: list[str] = []
+    for f in fields(cls):
+        t = hints[f.name]
+        out += _keys(t, f"{prefix}{f.name}.") if is_dataclass(t) else [prefix + f.name]
+    return out
+
+
+ALL_KEYS = _keys(BuildConfig)
+_VERSION = re.compile(r"^\d+\.\d+\.\d+([-+][0-9A-Za-z.-]+)?$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def validate(cfg: DictConfig | dict) -> BuildConfig:
+    """Typed, checked recipe; raises RecipeError naming the first bad key."""
+    raw = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
+    raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(BuildConfig), raw)
+    except ConfigKeyError as e:
+        section = e.full_key.rsplit(".", 1)[0] if "." in str(e.full_key) else ""
+        valid = [k for k in ALL_KEYS if k.startswith(section + ".")] if section else ALL_KEYS
+        raise RecipeError(f"unknown recipe key '{e.full_key}'; valid keys here: {', '.join(valid)}") from None
+    except ValidationError as e:
+        raise RecipeError(f"bad value for recipe key '{e.full_key}': {e.msg}") from None
+    built: BuildConfig = OmegaConf.to_object(merged)
+    _check(built)
+    return built
+
+
+def _check(c: BuildConfig) -> None:
+    def bad(key, value, why):
+        raise RecipeError(f"bad value for recipe key '{key}': {value!r} ({why})")
+
+    if not c.model.source:
+        bad("model.source", c.model.source, "name a checkpoint: embedded:smollm2-135m-instruct, a directory, a .gguf file or a hub id")
+    if not _NAME.match(c.artifact.name):
+        bad("artifact.name", c.artifact.name, "letters, digits, '.', '_' and '-' only")
+    if not _VERSION.match(c.artifact.version):
+        bad("artifact.version", c.artifact.version, "a semantic version such as 1.2.0")
+    q = c.quant
+    if q.method != QuantMethod.none:
+        allowed_bits = {QuantMethod.gptq: (4, 8), QuantMethod.awq: (4,), QuantMethod.w8a8: (8,), QuantMethod.fp8: (8,)}[q.method]
+        if q.bits not in allowed_bits:
+            bad("quant.bits", q.bits, f"{q.method.value} takes bits in {list(allowed_bits)}")
+        if q.group_size != -1 and (q.group_size < 8 or q.group_size & (q.group_size - 1)):
+            bad("quant.group_size", q.group_size, "a power of two >= 8, or -1 for per-channel")
+        if not 0.0 < q.smoothing_strength < 1.0:
+            bad("quant.smoothing_strength", q.smoothing_strength, "must be in (0, 1)")
+        if not 0.0 <= q.dampening_frac < 1.0:
+            bad("quant.dampening_frac", q.dampening_frac, "must be in [0, 1)")
+        if c.calib.samples < 1:
+            bad("calib.samples", c.calib.samples, "must be >= 1")
+        if c.calib.seq_len < 16:
+            bad("calib.seq_len", c.calib.seq_len, "must be >= 16")
+    if any(b < 1 for b in c.tune.batch_buckets):
+        bad("tune.batch_buckets", c.tune.batch_buckets, "batch sizes must be >= 1")
+    if c.eval.seq_len < 2 or c.eval.stride < 1 or c.eval.stride > c.eval.seq_len:
+        bad("eval.stride", c.eval.stride, "need seq_len >= 2 and 1 <= stride <= seq_len")
+
+
+def to_plain(c: BuildConfig) -> dict[str, Any]:
+    """The recipe as plain JSON-able data (enums as strings)."""
+    return OmegaConf.to_container(OmegaConf.structured(c), enum_to_str=True)
+
+
+def compose_recipe(overrides: list[str] | tuple[str, ...] = ()) -> BuildConfig:
+    """The recipe that ``infer-build OVERRIDES...`` would build, for use from Python."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module(config_module="infer.recipes", version_base=None):
+        raw = compose(config_name="build", overrides=list(overrides))
+    return validate(raw)

@@ -1,0 +1,83 @@
+"""Stages as pure functions whose outputs are cached on disk by a hash of their inputs.
+
+A stage writes its output into a fresh temporary directory; only when it returns is the
+directory renamed to ``<cache>/<stage>/<key>``, so a build killed half way leaves no stage
+looking finished and resumes from the last one that was. A second identical build finds every
+key and does no work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from tqdm import tqdm
+
+log = logging.getLogger("infer.build")
+DONE = "_stage.json"
+
+
+def content_key(*parts) -> str:
+    """sha256 of canonical JSON of the parts: the identity of a stage's inputs."""
+    blob = json.dumps(parts, sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StageResult:
+    name: str
+    key: str
+    path: Path
+    cached: bool
+    seconds: float
+    info: dict
+
+
+def run_stage(cache_dir: Path, name: str, inputs: dict, fn: Callable[[Path], dict | None]) -> StageResult:
+    """Runs ``fn(out_dir) -> info`` unless a finished output for these inputs exists."""
+    key = content_key(name, inputs)
+    final = Path(cache_dir) / "stages" / name / key[:32]
+    done = final / DONE
+    if done.is_file():
+        record = json.loads(done.read_text())
+        log.info("stage %-9s cached  (%s)", name, key[:12])
+        return StageResult(name, key, final, True, record["seconds"], record.get("info") or {})
+    tmp = final.with_name(f".tmp-{key[:32]}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log.info("stage %-9s running (%s)", name, key[:12])
+    start = time.perf_counter()
+    try:
+        info = fn(tmp) or {}
+        seconds = round(time.perf_counter() - start, 3)
+        (tmp / DONE).write_text(json.dumps({"stage": name, "key": key, "inputs": inputs, "seconds": seconds, "info": info},
+                                           indent=2, sort_keys=True, default=str))
+        shutil.rmtree(final, ignore_errors=True)  # a stale, unfinished output of an older layout
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("stage %-9s done    in %.1fs", name, seconds)
+    return StageResult(name, key, final, False, seconds, info)
+
+
+def progress(items: Iterable, desc: str, total: int | None = None):
+    """A progress bar on a terminal; on CI (no terminal) a few plain log lines instead."""
+    if sys.stderr.isatty():
+        yield from tqdm(items, desc=desc, total=total, leave=False)
+        return
+    items = list(items)
+    n = len(items)
+    marks = {max(1, round(n * f)) for f in (0.25, 0.5, 0.75, 1.0)}
+    for i, item in enumerate(items, 1):
+        yield item
+        if i in marks:
+            log.info("%s: %d/%d", desc, i, n)

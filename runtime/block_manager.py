@@ -1,0 +1,152 @@
+"""The KV-cache block pool: reference counts, a free list, block tables, and the prefix cache.
+
+A full block is identified by the hash of its tokens chained with the previous block's hash
+(seeded with the model's identity), so equal prefixes map to equal hashes. A freed block keeps
+its hash and contents and joins the back of the free list; taking a block from the front of
+the list evicts the least recently freed one. A new sequence reuses every cached leading block.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_id: str = ""):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.root_hash = hash(("infer-prefix", model_id))
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, found
+
+    # ------------------------------------------------------------------ accounting
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live sequences (cached-but-free blocks count as free)."""
+        return 1.0 - len(self.free) / len(self.blocks)
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
+
+    # ------------------------------------------------------------------ prefix cache
+    def _chain(self, prev: int, tokens: list[int]) -> int:
+        return hash((prev, tuple(tokens)))
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attaches cached leading blocks to a sequence that has none yet; returns tokens reused.
+
+        At least the last token is always left to compute: its logits are needed to sample.
+        """
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        limit = (len(seq) - 1) // self.block_size
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0
+        self.prefix_queries += len(seq) - 1
+        h = self.root_hash
+        for i in range(limit):
+            tokens = seq.block_tokens(i, self.block_size)
+            h = self._chain(h, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                break
+            self._take(block_id)
+            seq.block_table.append(block_id)
+        hit = len(seq.block_table) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        seq.num_hashed_blocks = len(seq.block_table)
+        self.prefix_hits += hit
+        return hit
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publishes blocks whose K/V are now complete so later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        h = self.root_hash
+        if seq.num_hashed_blocks:
+            h = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash
+        for i in range(seq.num_hashed_blocks, full):
+            tokens = seq.block_tokens(i, self.block_size)
+            h = self._chain(h, tokens)
+            block = self.blocks[seq.block_table[i]]
+            block.hash, block.token_ids = h, tuple(tokens)
+            self.cached.setdefault(h, block.block_id)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # ------------------------------------------------------------------ allocation
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free[block_id]
+        block.ref_count += 1
+
+    def _new_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)  # least recently freed
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached contents
+            if self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Grows the sequence's block table to hold ``num_new_tokens`` more tokens."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > len(self.free):
+            raise RuntimeError(f"out of KV blocks: need {needed}, {len(self.free)} free")
+        seq.block_table.extend(self._new_block() for _ in range(needed))
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Shares the parent's full blocks with a child (copy-on-write is never needed: full blocks are immutable)."""
+        shared = parent.num_computed_tokens // self.block_size
+        for block_id in parent.block_table[:shared]:
+            self._take(block_id)
+        child.block_table = parent.block_table[:shared]
+        child.num_computed_tokens = shared * self.block_size
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, shared)
+
+    def free_sequence(self, seq: Sequence) -> None:
+        """Returns a sequence's blocks; the newest go to the back of the free list, last to be evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None or self.cached.get(block.hash) != block_id:
+                    block.hash, block.token_ids = None, ()
+                    self.free[block_id] = None
+                    self.free.move_to_end(block_id, last=False)  # no reusable content: use first
+                else:
+                    self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0

@@ -1,0 +1,257 @@
+"""The engine: requests in, one scheduled forward pass per ``step()``, tokens and text out.
+
+It ties the pieces together: an artifact verified on load, the scheduler and block manager
+deciding what runs, the model runner executing it, the sampler choosing tokens, and per-request
+detokenization with stop strings. It is synchronous; a server drives ``step()`` from its own loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .artifact import verify_artifact
+from .block_manager import BlockManager
+from .model import load_model
+from .model_runner import ModelRunner, kv_bytes_per_block
+from .sampler import sample, token_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+from .tokenizer import IncrementalDetokenizer, Tokenizer
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    dtype: str | None = None  # compute dtype; None: the artifact's
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM
+    kv_cache_fraction: float = 0.2
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+class _Request:
+    """Per-request text state: detokenizer, stop-string search, what was already emitted."""
+
+    def __init__(self, seq: Sequence, tokenizer: Tokenizer):
+        self.seq = seq
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens])
+        self.text = ""
+        self.emitted_text = 0
+        self.emitted_tokens = 0
+        self.max_stop = max((len(s) for s in seq.params.stop), default=0)
+
+    def add_token(self, token_id: int) -> bool:
+        """Appends a generated token's text; True when a stop string completed (text cut before it)."""
+        self.text += self.detok.add(token_id)
+        if not self.max_stop:
+            return False
+        window = len(self.text) - self.max_stop - 32
+        for stop in self.seq.params.stop:
+            at = self.text.find(stop, max(0, window))
+            if at >= 0:
+                self.text = self.text[:at]
+                return True
+        return False
+
+    def holdback(self) -> int:
+        """Characters at the end that might begin a stop string: not streamed until resolved."""
+        for k in range(min(self.max_stop, len(self.text)), 0, -1):
+            if any(s.startswith(self.text[-k:]) for s in self.seq.params.stop):
+                return k
+        return 0
+
+
+def available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+class LLMEngine:
+    def __init__(self, artifact_path: str | os.PathLike, config: EngineConfig | None = None, **overrides):
+        self.config = config or EngineConfig(**overrides)
+        cfg = self.config
+        self.artifact = verify_artifact(artifact_path)
+        self.tokenizer = Tokenizer(self.artifact.path)
+        if cfg.dtype is not None and cfg.dtype not in _DTYPES:
+            raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
+        self.model = load_model(self.artifact.path, _DTYPES.get(cfg.dtype) if cfg.dtype else None)
+        mcfg = self.model.config
+        model_len = mcfg.max_position_embeddings
+        self.max_model_len = min(cfg.max_model_len or model_len, model_len)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.model.dtype)
+        budget = cfg.kv_cache_memory or int(available_memory() * cfg.kv_cache_fraction)
+        useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
+        num_blocks = min(budget // per_block, useful)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory={budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
+                             f"give the KV cache more memory")
+        self.num_blocks = num_blocks
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self.requests: dict[str, _Request] = {}
+        self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def max_request_tokens(self) -> int:
+        """Longest sequence (prompt + output) the model and the KV cache can hold."""
+        return min(self.max_model_len, self.num_blocks * self.config.block_size)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a string or a list of token ids")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, not {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize_prompt(prompt)
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        if len(ids) >= self.max_request_tokens:
+            raise ValueError(f"prompt is {len(ids)} tokens, over this engine's context limit of "
+                             f"{self.max_request_tokens} (prompt and output together); shorten the prompt")
+        seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None)
+        self.requests[request_id] = _Request(seq, self.tokenizer)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None or req.seq.is_finished:
+            return None
+        self.scheduler.abort(req.seq)
+        req.seq.finish_reason = "abort"
+        return self._output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """One forward pass over what the scheduler picked; outputs of requests that advanced."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+        result = self.runner.execute(batch)
+        self.stats["steps"] += 1
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            computed = seq.num_computed_tokens
+            if seq.seq_id in result.prompt_logits:
+                self._record_prompt_logprobs(seq, *result.prompt_logits[seq.seq_id])
+            self.stats["prompt_tokens"] += max(0, min(computed + n, seq.num_prompt_tokens) - computed)
+            seq.num_computed_tokens = computed + n
+            self.block_manager.register_full_blocks(seq)
+        outputs = []
+        if result.sampled:
+            sampled = sample(result.logits, result.sampled)
+            now = time.monotonic()
+            for i, seq in enumerate(result.sampled):
+                req = self.requests[seq.request_id]
+                token = sampled.token_ids[i]
+                seq.token_ids.append(token)
+                self.stats["generation_tokens"] += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                if sampled.logprobs is not None and sampled.logprobs[i] is not None:
+                    seq.output_logprobs.append(sampled.logprobs[i])
+                stopped_by_text = req.add_token(token)
+                reason = self._finish_reason(seq, token, stopped_by_text)
+                if reason:
+                    seq.finish_reason = reason
+                    self.scheduler.finish(seq)
+                    del self.requests[seq.request_id]
+                outputs.append(self._output(req))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token: int, stopped_by_text: bool) -> str | None:
+        p = seq.params
+        if stopped_by_text or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_request_tokens:
+            return "length"
+        return None
+
+    def _record_prompt_logprobs(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        logprobs = logits.log_softmax(-1)
+        for i in range(logits.shape[0]):
+            target = first + i + 1
+            if target >= seq.num_prompt_tokens:
+                break
+            seq.prompt_logprobs.append(token_logprobs(logprobs[i], seq.token_ids[target], seq.params.prompt_logprobs))
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        visible = len(req.text) if finished else len(req.text) - req.holdback()
+        delta_text = req.text[req.emitted_text:visible]
+        req.emitted_text = max(req.emitted_text, visible)
+        tokens = seq.output_token_ids
+        delta_tokens = tokens[req.emitted_tokens:]
+        req.emitted_tokens = len(tokens)
+        return RequestOutput(
+            request_id=seq.request_id, prompt=seq.prompt, prompt_token_ids=seq.token_ids[:seq.num_prompt_tokens],
+            text=req.text, token_ids=list(tokens), finished=finished, finish_reason=seq.finish_reason,
+            delta_text=delta_text, delta_token_ids=delta_tokens,
+            logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
+            num_cached_tokens=seq.num_cached_tokens,
+            metrics={"arrival_time": seq.arrival_time, "first_scheduled_time": seq.first_scheduled_time,
+                     "first_token_time": seq.first_token_time, "num_preemptions": seq.num_preemptions},
+        )
+
+    def kv_usage(self) -> float:
+        return self.block_manager.usage
+
+
+__all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams", "Status"]

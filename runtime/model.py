@@ -1,0 +1,283 @@
+"""The Llama / Qwen2 decoder in one file: the model the runtime runs.
+
+Tokens travel flattened, as one ``[T, hidden]`` tensor for the whole step, so a step can mix
+prompt chunks and single decode tokens of many sequences. How attention sees the rest of each
+sequence is the business of an *attention context* (``attend(layer, q, k, v)``): a dense causal
+one here for whole-sequence use (evaluation, tests), a paged one in the engine.
+
+q/k/v and gate/up are fused at load time into one matmul each: fewer, larger matmuls are what
+makes a small model fast on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "ModelConfig":
+        """Reads an HF ``config.json`` dict; refuses what this implementation would get wrong."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default")
+        theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        if theta is None:
+            # silently assuming 10000 gives fluent nonsense on long inputs: refuse instead
+            raise ValueError("config.json states no rope_theta (neither top level nor rope_parameters)")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32, as the reference implementation does, then scale in the model dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, looked up by absolute position per token."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        out = ctx.attend(self.layer_idx, q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns the final hidden states [T, hidden] (normed)."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Whole-sequence forward for a [B, L] batch without padding: logits [B, L, vocab] (float32)."""
+        b, length = input_ids.shape
+        positions = torch.arange(length).repeat(b)
+        hidden = self(input_ids.reshape(-1), positions, DenseCausalContext(b, length))
+        return self.compute_logits(hidden).view(b, length, -1)
+
+
+class DenseCausalContext:
+    """Attention over B equal-length sequences given whole, with no KV cache."""
+
+    def __init__(self, batch: int, length: int):
+        self.batch, self.length = batch, length
+
+    def attend(self, layer_idx, q, k, v):
+        b, n = self.batch, self.length
+        q, k, v = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return out.transpose(1, 2).reshape(b * n, -1, q.shape[-1])
+
+
+# ---------------------------------------------------------------------------- loading
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, by HF name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Maps HF tensor names onto this model's, concatenating q/k/v and gate/up."""
+    out: dict[str, torch.Tensor] = {}
+    pop = hf.pop
+    out["embed_tokens.weight"] = pop("model.embed_tokens.weight")
+    out["norm.weight"] = pop("model.norm.weight")
+    out["lm_head.weight"] = out["embed_tokens.weight"] if cfg.tie_word_embeddings else pop("lm_head.weight")
+    hf.pop("lm_head.weight", None)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([pop(attn + f"{n}_proj.weight") for n in "qkv"])
+        if cfg.attention_bias:
+            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([pop(attn + f"{n}_proj.bias") for n in "qkv"])
+        out[f"layers.{i}.self_attn.o_proj.weight"] = pop(attn + "o_proj.weight")
+        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([pop(mlp + "gate_proj.weight"), pop(mlp + "up_proj.weight")])
+        out[f"layers.{i}.mlp.down_proj.weight"] = pop(mlp + "down_proj.weight")
+        out[f"layers.{i}.input_layernorm.weight"] = pop(p + "input_layernorm.weight")
+        out[f"layers.{i}.post_attention_layernorm.weight"] = pop(p + "post_attention_layernorm.weight")
+    leftover = sorted(k for k in hf if "rotary_emb" not in k)
+    if leftover:
+        raise ValueError(f"checkpoint has tensors this model does not use: {leftover[:5]} ...")
+    return out
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None) -> Transformer:
+    """Builds the model from an HF-format directory (config.json + safetensors)."""
+    path = Path(path)
+    cfg = ModelConfig.from_dir(path)
+    state = fuse_hf_state_dict(read_state_dict(path), cfg)
+    dtype = dtype or state["embed_tokens.weight"].dtype
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
+    return model.eval().requires_grad_(False)
+
+
+def param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+__all__ = ["ModelConfig", "Transformer", "DenseCausalContext", "load_model", "read_state_dict", "param_count"]

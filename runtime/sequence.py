@@ -1,0 +1,66 @@
+"""One request's state as the engine sees it: its tokens, its KV blocks, how far it got."""
+
+from __future__ import annotations
+
+import time
+from enum import Enum, auto
+from itertools import count
+
+import torch
+
+from .sampling_params import SamplingParams
+
+_ids = count()
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_tokens = 0  # of those, how many came from the prefix cache
+        self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.finish_reason: str | None = None
+        self.output_logprobs: list[dict] = []
+        self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None else []
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def block_tokens(self, i: int, block_size: int) -> list[int]:
+        return self.token_ids[i * block_size:(i + 1) * block_size]
