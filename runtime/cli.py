@@ -22,7 +22,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV cache size in bytes, or with a unit: 512M, 4G (default: 20%% of available RAM)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=None)
-    return p.parse_args(argv)
+    s = p.add_argument_group("server (without --prompt: an OpenAI-compatible HTTP API)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                        "(default: $INFER_API_KEY, else none)")
+    s.add_argument("--max-queue", type=int, default=256,
+                   help="most requests waiting for a batch slot; past it, 429 with Retry-After (default 256)")
+    s.add_argument("--grace-period", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)")
+    s.add_argument("--max-body", type=int, default=32 << 20, help="largest request body in bytes (default 32 MiB)")
+    s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
+    s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (no bodies)")
+    args = p.parse_args(argv)
+    if args.api_key is None:
+        import os
+
+        args.api_key = os.environ.get("INFER_API_KEY") or None
+    return args
 
 
 def parse_bytes(text: str | None) -> int | None:
