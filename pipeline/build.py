@@ -8,6 +8,7 @@ from pathlib import Path
 
 from infer.runtime.artifact import FORMAT_VERSION
 
+from . import gate
 from .config import BuildConfig, QuantMethod, to_plain
 from .package import build_environment, package, publish
 from .sources import load_checkpoint, resolve_source
@@ -27,6 +28,7 @@ class BuildError(Exception):
 class BuildResult:
     artifact: Path
     stages: list[StageResult] = field(default_factory=list)
+    evaluation: dict | None = None  # eval.json's content when the gate stages ran
 
 
 def recipe_record(cfg: BuildConfig) -> dict:
@@ -34,6 +36,7 @@ def recipe_record(cfg: BuildConfig) -> dict:
     plain = to_plain(cfg)
     plain.pop("output_dir")
     plain.pop("cache_dir")
+    plain["eval"].pop("junit", None)  # where a CI job wants its JUnit file, not what the artifact is
     return plain
 
 
@@ -44,7 +47,9 @@ def check_supported(cfg: BuildConfig) -> None:
                          f"build yet; use quant=none")
 
 
-def build(cfg: BuildConfig) -> BuildResult:
+def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
+    """Runs the stages and publishes to cfg.output_dir; with publish_artifact=False, returns the
+    packaged stage directory instead (used for the gates' unquantized baseline), with no gates."""
     check_supported(cfg)
     cache = Path(cfg.cache_dir).expanduser()
     source = resolve_source(cfg.model.source, cfg.model.revision, cache)
@@ -68,6 +73,13 @@ def build(cfg: BuildConfig) -> BuildResult:
                                             "checkpoint": checkpoint.key, "manifest": manifest},
                          lambda out: package(checkpoint.path, out, manifest))
     stages.append(packaged)
-    artifact = publish(packaged.path, Path(cfg.output_dir))
+    if not publish_artifact:
+        return BuildResult(packaged.path, stages)
+    final, evaluation = packaged, None
+    if gate.wanted(cfg):  # gates before publish: a failure raises gate.GateFailed and nothing is published
+        final, evaluation, extra = gate.run(cfg, cache, stages, packaged, recipe,
+                                            lambda c: build(c, publish_artifact=False))
+        stages += extra
+    artifact = publish(final.path, Path(cfg.output_dir))
     log.info("artifact %s %s -> %s", cfg.artifact.name, cfg.artifact.version, artifact)
-    return BuildResult(artifact, stages)
+    return BuildResult(artifact, stages, evaluation)

@@ -12,6 +12,7 @@ from infer.runtime.artifact import ArtifactError
 
 from .build import BuildError, build
 from .config import RecipeError, validate
+from .gate import EvaluationError, GateFailed, record_sweep_variant
 from .sources import SourceError
 
 log = logging.getLogger("infer.build")
@@ -30,9 +31,14 @@ def _main(raw: DictConfig) -> None:
         sys.exit(EXIT_BAD_RECIPE)
     try:
         result = build(cfg)
-    except (BuildError, SourceError, ArtifactError, FileExistsError) as e:
+    except GateFailed as e:  # the artifact was not published; the message names each gate, value, threshold
+        log.error("gate failed: %s", e)
+        record_sweep_variant(e.doc, None)
+        sys.exit(EXIT_GATE_FAILED)
+    except (BuildError, SourceError, ArtifactError, FileExistsError, EvaluationError) as e:
         log.error("build failed: %s", e)
         sys.exit(EXIT_BUILD_ERROR)
+    record_sweep_variant(result.evaluation, result.artifact)
     print(result.artifact)
 
 

@@ -77,11 +77,21 @@ class GateSpec:
 
 @dataclass
 class EvalSpec:
+    # Evaluation runs before publish when enabled, or when any gate or task is set.
     enabled: bool = False
-    data: str = "pydoc_topics"
+    data: str = "pydoc_topics"  # pydoc_topics (its evaluation split) | a .txt / .jsonl file | a dataset directory
     seq_len: int = 512
     stride: int = 512
     max_windows: int = 16
+    # unquantized: this recipe with quant.method=none (built as cached stages) | none | an artifact directory
+    baseline: str = "unquantized"
+    baseline_dtype: DType | None = None  # the unquantized baseline's dtype; None: model.dtype
+    prompts: str = "default"  # greedy-agreement prompts: default | a .txt (one a line) | a .jsonl ('prompt')
+    max_prompts: int = 16
+    greedy_tokens: int = 32
+    tasks: list[str] = field(default_factory=list)  # lm-eval tasks, e.g. [infer_lastword, infer_mc]
+    task_limit: int | None = None  # documents per task (None: all)
+    junit: str | None = None  # write JUnit XML (one test case per gate) here; not part of the artifact
     gates: GateSpec = field(default_factory=GateSpec)
 
 
@@ -164,6 +174,17 @@ def _check(c: BuildConfig) -> None:
         bad("tune.batch_buckets", c.tune.batch_buckets, "batch sizes must be >= 1")
     if c.eval.seq_len < 2 or c.eval.stride < 1 or c.eval.stride > c.eval.seq_len:
         bad("eval.stride", c.eval.stride, "need seq_len >= 2 and 1 <= stride <= seq_len")
+    if c.eval.max_windows < 1:
+        bad("eval.max_windows", c.eval.max_windows, "must be >= 1")
+    if c.eval.greedy_tokens < 1 or c.eval.max_prompts < 0:
+        bad("eval.greedy_tokens", c.eval.greedy_tokens, "greedy_tokens must be >= 1 and max_prompts >= 0")
+    g = c.eval.gates
+    if g.top1_agreement_min is not None and not 0.0 <= g.top1_agreement_min <= 1.0:
+        bad("eval.gates.top1_agreement_min", g.top1_agreement_min, "a share in [0, 1]")
+    if g.greedy_agreement_min is not None and not 0.0 <= g.greedy_agreement_min <= 1.0:
+        bad("eval.gates.greedy_agreement_min", g.greedy_agreement_min, "a share in [0, 1]")
+    if g.mean_kld_max is not None and g.mean_kld_max < 0:
+        bad("eval.gates.mean_kld_max", g.mean_kld_max, "must be >= 0")
 
 
 def to_plain(c: BuildConfig) -> dict[str, Any]:

@@ -1,0 +1,323 @@
+"""Accuracy metrics computed with the runtime that serves the artifact.
+
+- Perplexity on held-out text: the engine (``LLM.generate`` with ``prompt_logprobs``) scores
+  fixed-length windows cut from the token stream with a fixed stride; with a stride shorter
+  than the window, each window scores only the tokens the previous one did not (so every token
+  is scored once, with at least ``seq_len - stride`` tokens of context).
+- Against a baseline: the runtime's own forward (``model.logits``) gives both models' full
+  next-token distributions on the same windows, from which the statistics llama.cpp's
+  ``perplexity --kl-divergence`` reports: mean / median / p90 / p99 / max KL divergence
+  KL(baseline || variant), top-1 agreement ("same top p"), RMS and mean change of the
+  probability of the correct token, and the log ratio of perplexities.
+- Greedy-generation agreement: both engines generate greedily from a prompt set; the score is
+  the mean, over prompts, of the common prefix length over the longer output.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+
+EVAL_VERSION = 1  # bump when a metric's definition changes: cached evaluations then stop matching
+PROMPTS_FILE = Path(__file__).parent / "tasks" / "prompts.jsonl"  # in tasks/: shipped as package data
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot run; the message names the input and the fix."""
+
+
+@dataclass
+class EvalSettings:
+    """What an evaluation measures on: the same for infer-build's gates and infer-eval."""
+
+    data: str = "pydoc_topics"
+    seq_len: int = 512
+    stride: int = 512
+    max_windows: int = 16
+    prompts: str = "default"
+    max_prompts: int = 16
+    greedy_tokens: int = 32
+    tasks: list[str] = field(default_factory=list)
+    task_limit: int | None = None
+
+    @classmethod
+    def from_spec(cls, spec) -> "EvalSettings":
+        """From a recipe's ``eval`` section (an EvalSpec or a plain dict)."""
+        get = (lambda k, d: spec.get(k, d)) if isinstance(spec, dict) else (lambda k, d: getattr(spec, k, d))
+        base = cls()
+        return cls(**{k: (list(get(k, v)) if k == "tasks" else get(k, v)) for k, v in asdict(base).items()})
+
+    def check(self) -> None:
+        if self.seq_len < 2 or not 1 <= self.stride <= self.seq_len:
+            raise EvalError(f"seq_len={self.seq_len}, stride={self.stride}: need seq_len >= 2 and 1 <= stride <= seq_len")
+        if self.max_windows < 1:
+            raise EvalError(f"max_windows={self.max_windows}: must be >= 1")
+        if self.greedy_tokens < 1 or self.max_prompts < 0:
+            raise EvalError("greedy_tokens must be >= 1 and max_prompts >= 0")
+
+
+# ---------------------------------------------------------------------------- data
+
+def eval_texts(data: str) -> list[str]:
+    """The held-out documents: the evaluation split of pydoc_data.topics, or a user's .txt/.jsonl/dir."""
+    from infer.pipeline.datasets import DataError, load_texts
+
+    try:
+        return load_texts(data, split="evaluation", key="eval.data")
+    except DataError as e:
+        raise EvalError(str(e)) from None
+
+
+def texts_digest(texts: Sequence[str]) -> str:
+    from infer.pipeline.datasets import texts_digest as digest
+
+    return digest(texts)
+
+
+def token_stream(tokenizer, texts: Sequence[str], limit: int) -> list[int]:
+    """The documents joined by blank lines, tokenized (no special tokens), up to ``limit`` tokens."""
+    ids: list[int] = []
+    for t in texts:
+        ids += tokenizer.encode(t + "\n\n")
+        if len(ids) >= limit:
+            break
+    return ids[:limit]
+
+
+@dataclass(frozen=True)
+class Window:
+    ids: list[int]
+    score_from: int  # positions >= score_from are scored (>= 1: position 0 has no prediction)
+
+
+def make_windows(ids: Sequence[int], seq_len: int, stride: int, max_windows: int) -> list[Window]:
+    """Windows of ``seq_len`` tokens every ``stride`` tokens; each scores only tokens not yet scored."""
+    if len(ids) < 2:
+        raise EvalError(f"the evaluation text has {len(ids)} tokens: at least 2 are needed")
+    out: list[Window] = []
+    scored_until, start = 0, 0
+    while len(out) < max_windows:
+        end = min(start + seq_len, len(ids))
+        score_from = max(1, scored_until - start)
+        if score_from < end - start:
+            out.append(Window(list(ids[start:end]), score_from))
+        scored_until = end
+        if end == len(ids):
+            break
+        start += stride
+    return out
+
+
+def load_windows(tokenizer, s: EvalSettings) -> tuple[list[Window], dict]:
+    texts = eval_texts(s.data)
+    need = s.seq_len + s.stride * (s.max_windows - 1)
+    ids = token_stream(tokenizer, texts, need)
+    wins = make_windows(ids, s.seq_len, s.stride, s.max_windows)
+    info = {"data": s.data, "digest": texts_digest(texts), "seq_len": s.seq_len, "stride": s.stride,
+            "windows": len(wins), "tokens_scored": sum(len(w.ids) - w.score_from for w in wins)}
+    return wins, info
+
+
+def load_prompts(spec: str, limit: int) -> list[str]:
+    """Prompts for greedy agreement: the shipped set, a .txt (one a line) or .jsonl ('prompt' or 'text')."""
+    path = PROMPTS_FILE if spec == "default" else Path(spec).expanduser()
+    if not path.is_file():
+        raise EvalError(f"eval.prompts={spec!r}: no such file; use 'default', a .txt file (one prompt a line) "
+                        f"or a .jsonl file with a 'prompt' field")
+    if path.suffix == ".jsonl":
+        prompts = []
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                row = json.loads(line)
+                value = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+                if not isinstance(value, str):
+                    raise EvalError(f"eval.prompts={spec!r}: line {n} has no string 'prompt' field")
+                prompts.append(value)
+    else:
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return prompts[:limit]
+
+
+# ---------------------------------------------------------------------------- engines
+
+def kv_bytes_per_token(artifact: Path) -> int:
+    cfg = json.loads((Path(artifact) / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * layers * kv_heads * head_dim * 4  # float32 upper bound
+
+
+def open_llm(artifact: str | Path, max_len: int, concurrent: int = 4):
+    """An engine sized for evaluation: a KV cache for a few windows, not a fraction of the machine."""
+    from infer.runtime import LLM
+
+    block = 16
+    tokens = (max_len + 2 * block) * concurrent
+    return LLM(artifact, kv_cache_memory=kv_bytes_per_token(Path(artifact)) * tokens + (8 << 20),
+               max_num_seqs=concurrent)
+
+
+def engine_token_logprobs(llm, windows: Sequence[Window]) -> list[list[float]]:
+    """Per window, the log-probability the engine gives each scored token (prompt_logprobs)."""
+    from infer.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    outs = llm.generate([w.ids for w in windows], params)
+    result = []
+    for w, out in zip(windows, outs):
+        lps = out.prompt_logprobs
+        result.append([lps[j]["logprob"] for j in range(w.score_from, len(w.ids))])
+    return result
+
+
+def perplexity_from(logprobs: Sequence[Sequence[float]]) -> dict:
+    flat = [x for row in logprobs for x in row]
+    nll = -math.fsum(flat) / len(flat)
+    return {"ppl": math.exp(nll), "nll": nll, "tokens": len(flat)}
+
+
+def engine_perplexity(llm, windows: Sequence[Window]) -> dict:
+    start = time.perf_counter()
+    result = perplexity_from(engine_token_logprobs(llm, windows))
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    return result
+
+
+def compare_distributions(variant_model, baseline_model, windows: Sequence[Window]) -> dict:
+    """llama.cpp's --kl-divergence statistics from both models' full next-token distributions."""
+    klds, agree, nll_v, nll_b, dp = [], [], [], [], []
+    start = time.perf_counter()
+    for w in windows:
+        ids = torch.tensor([w.ids])
+        rows = slice(w.score_from - 1, len(w.ids) - 1)  # row j predicts token j + 1
+        targets = ids[0, w.score_from:]
+        lv = variant_model.logits(ids)[0, rows].float().log_softmax(-1)
+        lb = baseline_model.logits(ids)[0, rows].float().log_softmax(-1)
+        kld = (lb.exp() * (lb - lv)).sum(-1).clamp_min(0.0)
+        klds.append(kld.double().numpy())
+        agree.append((lv.argmax(-1) == lb.argmax(-1)).numpy())
+        tv = lv.gather(-1, targets[:, None])[:, 0]
+        tb = lb.gather(-1, targets[:, None])[:, 0]
+        nll_v.append(-tv.double().numpy())
+        nll_b.append(-tb.double().numpy())
+        dp.append((tv.exp() - tb.exp()).double().numpy())
+        del lv, lb
+    kld, same, nv, nb, delta = (np.concatenate(x) for x in (klds, agree, nll_v, nll_b, dp))
+    ppl_v, ppl_b = math.exp(nv.mean()), math.exp(nb.mean())
+    return {
+        "tokens": int(kld.size),
+        "mean_kld": float(kld.mean()),
+        "median_kld": float(np.median(kld)),
+        "p90_kld": float(np.percentile(kld, 90)),
+        "p99_kld": float(np.percentile(kld, 99)),
+        "max_kld": float(kld.max()),
+        "top1_agreement": float(same.mean()),
+        "ppl_variant": ppl_v,
+        "ppl_baseline": ppl_b,
+        "ln_ppl_ratio": float(nv.mean() - nb.mean()),
+        "rms_delta_p": float(np.sqrt((delta ** 2).mean())),
+        "mean_delta_p": float(delta.mean()),
+        "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def greedy_outputs(llm, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations, each prompt through the chat template when the artifact has one."""
+    from infer.runtime import SamplingParams
+
+    tok = llm.tokenizer
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if tok.chat_template else p for p in prompts]
+    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    return [list(o.token_ids) for o in outs]
+
+
+def greedy_agreement(variant: Sequence[Sequence[int]], baseline: Sequence[Sequence[int]]) -> dict:
+    scores, exact = [], []
+    for a, b in zip(variant, baseline):
+        n = 0
+        for x, y in zip(a, b):
+            if x != y:
+                break
+            n += 1
+        longest = max(len(a), len(b))
+        scores.append(n / longest if longest else 1.0)
+        exact.append(list(a) == list(b))
+    return {"prompts": len(scores), "greedy_agreement": float(np.mean(scores)) if scores else 1.0,
+            "greedy_exact_match": float(np.mean(exact)) if exact else 1.0}
+
+
+# ---------------------------------------------------------------------------- one evaluation
+
+def artifact_summary(path: Path, manifest: dict) -> dict:
+    files = manifest.get("files", {})
+    weights = {k: v["sha256"] for k, v in files.items() if k.endswith(".safetensors") or k == "config.json"}
+    return {"path": str(path), "name": manifest.get("name"), "version": manifest.get("version"),
+            "model": manifest.get("model"), "quantization": manifest.get("quantization"),
+            "recipe_quant": (manifest.get("recipe") or {}).get("quant"), "weights": weights}
+
+
+def model_identity(manifest: dict) -> dict:
+    """What decides an artifact's outputs: its model and tokenizer files' hashes (not its name or recipe)."""
+    skip = {"recipe.yaml", "eval.json", "report.md", "report.html"}
+    return {k: v["sha256"] for k, v in (manifest.get("files") or {}).items()
+            if k not in skip and not k.startswith("plots/")}
+
+
+def evaluate(artifact: str | Path, baseline: str | Path | None, settings: EvalSettings, log=None) -> dict:
+    """Every metric for one artifact (and against a baseline when given), as plain JSON-able data."""
+    from infer.runtime.artifact import verify_artifact
+
+    settings.check()
+    say = log or (lambda *a: None)
+    art = verify_artifact(artifact)
+    same = baseline is not None and Path(baseline).resolve() == Path(artifact).resolve()
+    base = verify_artifact(baseline) if baseline is not None and not same else None
+    max_len = max(settings.seq_len, 512) + settings.greedy_tokens
+    llm = open_llm(art.path, max_len)
+    windows, data_info = load_windows(llm.tokenizer, settings)
+    result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
+                    "artifact": artifact_summary(art.path, art.manifest)}
+    say("perplexity: %d windows, %d tokens scored", data_info["windows"], data_info["tokens_scored"])
+    result["perplexity"] = engine_perplexity(llm, windows)
+    prompts = load_prompts(settings.prompts, settings.max_prompts) if baseline is not None else []
+    if baseline is not None:
+        if same:
+            result["baseline"] = {**result["artifact"], "same_as_artifact": True}
+            result["baseline_perplexity"] = dict(result["perplexity"])
+            result["comparison"] = {"tokens": data_info["tokens_scored"], "mean_kld": 0.0, "median_kld": 0.0,
+                                    "p90_kld": 0.0, "p99_kld": 0.0, "max_kld": 0.0, "top1_agreement": 1.0,
+                                    "ln_ppl_ratio": 0.0, "rms_delta_p": 0.0, "mean_delta_p": 0.0,
+                                    "prompts": len(prompts), "greedy_agreement": 1.0, "greedy_exact_match": 1.0}
+        else:
+            base_llm = open_llm(base.path, max_len)
+            if base_llm.tokenizer.encode("Hello, world! 123") != llm.tokenizer.encode("Hello, world! 123"):
+                raise EvalError(f"{base.path}: its tokenizer differs from {art.path}'s; a baseline must share it")
+            result["baseline"] = artifact_summary(base.path, base.manifest)
+            say("baseline perplexity")
+            result["baseline_perplexity"] = engine_perplexity(base_llm, windows)
+            say("KL divergence and top-1 agreement against the baseline")
+            comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows)
+            if prompts:
+                say("greedy agreement on %d prompts", len(prompts))
+                comp.update(greedy_agreement(greedy_outputs(llm, prompts, settings.greedy_tokens),
+                                             greedy_outputs(base_llm, prompts, settings.greedy_tokens)))
+            result["comparison"] = comp
+            del base_llm
+        p, pb = result["perplexity"]["ppl"], result["baseline_perplexity"]["ppl"]
+        result["comparison"]["ppl_increase_pct"] = (p / pb - 1.0) * 100.0
+    if settings.tasks:
+        from .lm_adapter import run_tasks
+
+        say("lm-eval tasks: %s", ", ".join(settings.tasks))
+        result["tasks"] = run_tasks(llm, settings.tasks, limit=settings.task_limit)
+        if base is not None:
+            result["baseline_tasks"] = run_tasks(open_llm(base.path, max_len), settings.tasks, limit=settings.task_limit)
+    return result

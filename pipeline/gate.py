@@ -1,0 +1,243 @@
+"""The gate stages: evaluate the packaged artifact against its baseline, decide, report, seal.
+
+After ``package`` and before ``publish``, when the recipe's ``eval`` section asks for it:
+
+1. the baseline is resolved: by default the same recipe with ``quant.method=none`` (its own
+   cached load and package stages; the artifact itself when it is already unquantized at the
+   baseline's dtype), or an artifact directory, or none;
+2. ``eval`` (cached by the model files' hashes, the baseline's, the data and the settings, not
+   the thresholds): every metric of ``infer.eval.metrics.evaluate``;
+3. the gates are checked; a JUnit file is written if ``eval.junit`` names one;
+4. a failing gate raises ``GateFailed`` (exit code 3): nothing is published, and the report goes
+   to ``<output_dir>.gate-failed/`` (no model files, no manifest: never mistakable for an artifact);
+5. otherwise ``gate`` seals a new artifact directory: the package's files (hard links), plus
+   ``eval.json``, ``report.md``, ``report.html`` and ``plots/``, all listed in a new manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from infer.runtime.artifact import MANIFEST, dump_json, verify_artifact, write_manifest
+
+from .config import BuildConfig, EvalSpec, QuantMethod, QuantSpec, to_plain
+from .stage import DONE, StageResult, content_key, run_stage
+
+log = logging.getLogger("infer.build")
+GATE_VERSION = 1
+EVAL_FILES = ("eval.json", "report.md", "report.html")
+
+
+class EvaluationError(Exception):
+    """The evaluation could not run (bad data, prompts or baseline): a build error, not a gate verdict."""
+
+
+class GateFailed(Exception):
+    """One or more accuracy gates failed: the message names each gate, its value and threshold."""
+
+    def __init__(self, message: str, doc: dict, report_dir: Path | None, junit: Path | None):
+        super().__init__(message)
+        self.doc, self.report_dir, self.junit = doc, report_dir, junit
+
+
+def wanted(cfg: BuildConfig) -> bool:
+    """Evaluation runs when enabled, or when any gate or lm-eval task is set."""
+    e = cfg.eval
+    return e.enabled or bool(e.tasks) or any(v is not None for v in asdict(e.gates).values())
+
+
+def baseline_dtype(cfg: BuildConfig):
+    return cfg.eval.baseline_dtype or cfg.model.dtype
+
+
+def is_own_baseline(cfg: BuildConfig) -> bool:
+    return cfg.quant.method == QuantMethod.none and baseline_dtype(cfg) == cfg.model.dtype
+
+
+def baseline_config(cfg: BuildConfig) -> BuildConfig:
+    """The same recipe, unquantized, at the baseline dtype; never itself gated."""
+    return replace(cfg, quant=QuantSpec(method=QuantMethod.none, bits=16, group_size=-1),
+                   model=replace(cfg.model, dtype=baseline_dtype(cfg)), eval=EvalSpec(),
+                   artifact=replace(cfg.artifact, name=f"{cfg.artifact.name}-baseline"))
+
+
+def _stage_row(s: StageResult, role: str) -> dict:
+    return {"name": s.name, "role": role, "key": s.key, "seconds": s.seconds, "cached": s.cached}
+
+
+def _layer_errors(stages: list[StageResult]):
+    for s in stages:
+        if s.name == "quantize":
+            for k in ("layer_errors", "per_layer_error", "layer_error"):
+                if s.info.get(k):
+                    return s.info[k]
+    return None
+
+
+def _link_tree(src: Path, dst: Path, with_manifest: bool = False) -> Path:
+    """A stage's files into dst: hard links (cache entries are immutable), copies where links fail."""
+    skip = (DONE,) if with_manifest else (MANIFEST, DONE)
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if p.is_dir() or rel.as_posix() in skip:
+            continue
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(p, target)
+        except OSError:
+            shutil.copyfile(p, target)
+    return dst
+
+
+def write_eval_files(out: Path, doc: dict) -> None:
+    from infer.eval.report import write_report
+
+    write_report(out, doc)
+    dump_json(doc, out / "eval.json")
+
+
+def _seal(packaged: Path, out: Path, doc: dict, stage_keys: dict) -> dict:
+    _link_tree(packaged, out)
+    write_eval_files(out, doc)
+    manifest = json.loads((packaged / MANIFEST).read_text())
+    for k in ("files", "format", "format_version"):
+        manifest.pop(k, None)
+    manifest["stages"] = {**manifest.get("stages", {}), **stage_keys}
+    manifest["evaluation"] = {
+        "passed": doc["passed"], "report": "report.md", "results": "eval.json",
+        "perplexity": doc["evaluation"]["perplexity"]["ppl"],
+        "gates": {g["name"]: {"value": g["value"], "threshold": g["threshold"], "passed": g["passed"]}
+                  for g in doc["gates"] if g["passed"] is not None},
+    }
+    sealed = write_manifest(out, manifest)
+    return {"files": len(sealed["files"]), "passed": doc["passed"]}
+
+
+def run(cfg: BuildConfig, cache: Path, stages: list[StageResult], packaged: StageResult, recipe: dict,
+        build_unpublished) -> tuple[StageResult, dict, list[StageResult]]:
+    """Evaluates, gates and seals; returns the sealed stage, the eval document and the extra stages."""
+    from infer.eval.metrics import EvalError
+
+    try:
+        return _run(cfg, cache, stages, packaged, recipe, build_unpublished)
+    except EvalError as err:  # DataError is a ValueError too, raised as EvalError by eval_texts
+        raise EvaluationError(f"evaluation: {err}") from None
+
+
+def _run(cfg, cache, stages, packaged, recipe, build_unpublished):
+    from infer.eval.gates import evaluate_gates, failed, failure_message, write_junit
+    from infer.eval.metrics import (EVAL_VERSION, EvalSettings, artifact_summary, eval_texts, evaluate,
+                                    load_prompts, model_identity, texts_digest)
+
+    e = cfg.eval
+    settings = EvalSettings.from_spec(e)
+    settings.check()
+    output_dir = Path(cfg.output_dir).expanduser().absolute()
+    manifest = json.loads((packaged.path / MANIFEST).read_text())
+    extra: list[StageResult] = []
+    base_rows: list[dict] = []
+    if e.baseline == "none":
+        baseline, base_id = None, None
+    elif e.baseline == "unquantized" and is_own_baseline(cfg):
+        baseline, base_id = packaged.path, "self"
+        log.info("baseline: the artifact itself (unquantized, %s)", cfg.model.dtype.value)
+    elif e.baseline == "unquantized":
+        log.info("baseline: this recipe with quant.method=none, %s", baseline_dtype(cfg).value)
+        built = build_unpublished(baseline_config(cfg))
+        baseline = built.artifact
+        base_rows = [_stage_row(s, "baseline") for s in built.stages]
+        base_id = model_identity(json.loads((baseline / MANIFEST).read_text()))
+    else:
+        baseline = verify_artifact(Path(e.baseline).expanduser()).path
+        base_id = model_identity(json.loads((baseline / MANIFEST).read_text()))
+    texts = eval_texts(settings.data)
+    prompts = load_prompts(settings.prompts, settings.max_prompts) if baseline is not None else []
+    inputs = {"v": EVAL_VERSION, "model": model_identity(manifest), "baseline": base_id,
+              "settings": asdict(settings), "data": texts_digest(texts), "prompts": prompts}
+
+    def measure(out: Path) -> dict:
+        # stage directories carry a _stage.json record: evaluate link views that are exact artifacts
+        view = _link_tree(packaged.path, out / ".artifact", with_manifest=True)
+        base_view = None
+        if baseline is not None:
+            base_view = view if base_id == "self" else _link_tree(baseline, out / ".baseline", with_manifest=True) \
+                if (baseline / DONE).exists() else baseline
+        try:
+            result = evaluate(view, base_view, settings, log=log.info)
+        finally:
+            shutil.rmtree(out / ".artifact", ignore_errors=True)
+            shutil.rmtree(out / ".baseline", ignore_errors=True)
+        dump_json(result, out / "metrics.json")
+        return {"ppl": result["perplexity"]["ppl"], **{k: v for k, v in (result.get("comparison") or {}).items()
+                                                        if k in ("mean_kld", "top1_agreement", "ppl_increase_pct")}}
+
+    evaluated = run_stage(cache, "eval", inputs, measure)
+    extra.append(evaluated)
+    evaluation = json.loads((evaluated.path / "metrics.json").read_text())
+    evaluation["artifact"] = {**artifact_summary(output_dir, manifest)}
+    if baseline is not None and base_id != "self":
+        evaluation["baseline"] = artifact_summary(baseline, json.loads((baseline / MANIFEST).read_text()))
+    thresholds = asdict(e.gates)
+    gates = evaluate_gates(thresholds, evaluation)
+    passed = not failed(gates)
+    plain = to_plain(cfg)
+    doc = {
+        "format": "infer-eval", "format_version": 1, "passed": passed,
+        "gates": [g.as_dict() for g in gates], "evaluation": evaluation, "recipe": recipe,
+        "stages": [_stage_row(s, "artifact") for s in stages] + base_rows + [_stage_row(evaluated, "evaluation")],
+        "quantization": {"settings": plain["quant"], "artifact": manifest.get("quantization"),
+                         "layer_errors": _layer_errors(stages)},
+    }
+    for g in gates:
+        if g.passed is not None:
+            (log.info if g.passed else log.error)("%s", g.message)
+    junit = write_junit(e.junit, gates, artifact=str(output_dir)) if e.junit else None
+    if junit:
+        log.info("JUnit results: %s", junit)
+    failed_dir = output_dir.with_name(output_dir.name + ".gate-failed")
+    if not passed:
+        shutil.rmtree(failed_dir, ignore_errors=True)
+        failed_dir.mkdir(parents=True)
+        write_eval_files(failed_dir, doc)
+        raise GateFailed(f"{failure_message(gates)}. Nothing was published to {output_dir}; "
+                         f"the evaluation report is {failed_dir / 'report.md'}", doc, failed_dir, junit)
+    if failed_dir.is_dir() and (failed_dir / "eval.json").is_file() and not (failed_dir / MANIFEST).exists():
+        shutil.rmtree(failed_dir)  # a stale report of an earlier, failed build of this output
+    gate_inputs = {"v": GATE_VERSION, "package": packaged.key, "eval": evaluated.key, "gates": thresholds}
+    keys = {"eval": evaluated.key, "gate": content_key("gate", gate_inputs)}
+    sealed = run_stage(cache, "gate", gate_inputs, lambda out: _seal(packaged.path, out, doc, keys))
+    extra.append(sealed)
+    doc = json.loads((sealed.path / "eval.json").read_text())
+    return sealed, doc, extra
+
+
+# ---------------------------------------------------------------------------- multirun sweeps
+
+def record_sweep_variant(doc: dict | None, artifact: Path | None) -> Path | None:
+    """Under ``infer-build -m``: adds this job's results to the sweep's one comparison report."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN or doc is None:
+            return None
+        sweep = Path(hc.sweep.dir)
+        num = int(hc.job.num)
+    except Exception:  # not under Hydra (the Python API): nothing to record
+        return None
+    from infer.eval.report import write_comparison
+
+    variants = sweep / "variants"
+    variants.mkdir(parents=True, exist_ok=True)
+    dump_json({**doc, "artifact_path": str(artifact) if artifact else None}, variants / f"{num:04d}.json")
+    docs = [json.loads(p.read_text()) for p in sorted(variants.glob("*.json"))]
+    paths = write_comparison(sweep, docs)
+    log.info("sweep comparison over %d variant(s): %s", len(docs), paths[0])
+    return paths[0]
