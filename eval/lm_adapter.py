@@ -7,8 +7,11 @@ task's stop strings. The local tasks in ``eval/tasks/`` need no network.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from lm_eval.api.model import TemplateLM
@@ -79,6 +82,9 @@ class InferLM(TemplateLM):
                 results.append((total, greedy))
         return results
 
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=disable_tqdm or not sys.stderr.isatty())
+
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         results = self._score([(ctx, cont) for _, ctx, cont in requests])
         for (key, _, _), res in zip(requests, results):
@@ -124,6 +130,25 @@ class InferLM(TemplateLM):
         return texts
 
 
+@contextmanager
+def _quiet_unless_terminal():
+    """Off a terminal (CI), no progress bars and no chatter from lm-eval: warnings and errors only."""
+    if sys.stderr.isatty():
+        yield
+        return
+    import tqdm
+
+    logger = logging.getLogger("lm_eval")
+    level, original = logger.level, tqdm.tqdm.__init__
+    tqdm.tqdm.__init__ = functools.partialmethod(original, disable=True)
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        tqdm.tqdm.__init__ = original
+        logger.setLevel(level)
+
+
 def task_manager():
     from lm_eval.tasks import TaskManager
 
@@ -132,17 +157,16 @@ def task_manager():
 
 def run_tasks(llm_or_path, tasks: list[str], limit: int | None = None, log_samples: bool = False) -> dict:
     """Runs lm-eval tasks on the engine; the task's metrics by task name (plain floats)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # the local tasks need no network; others use the HF cache
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import lm_eval
 
-    if not sys.stderr.isatty():
-        os.environ.setdefault("TQDM_DISABLE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     lm = llm_or_path if isinstance(llm_or_path, InferLM) else (
         InferLM.from_artifact(llm_or_path) if isinstance(llm_or_path, (str, Path)) else InferLM(llm_or_path))
-    res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(), limit=limit,
-                                  log_samples=log_samples, bootstrap_iters=0, random_seed=0, numpy_random_seed=0,
-                                  torch_random_seed=0, fewshot_random_seed=0)
+    with _quiet_unless_terminal():
+        res = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), task_manager=task_manager(), limit=limit,
+                                      log_samples=log_samples, bootstrap_iters=0, random_seed=0, numpy_random_seed=0,
+                                      torch_random_seed=0, fewshot_random_seed=0)
     out = {}
     for name, metrics in (res or {}).get("results", {}).items():
         out[name] = {k.split(",")[0]: float(v) for k, v in metrics.items()

@@ -195,12 +195,18 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
     """llama.cpp's --kl-divergence statistics from both models' full next-token distributions."""
     klds, agree, nll_v, nll_b, dp = [], [], [], [], []
     start = time.perf_counter()
+    hidden_v, hidden_b = _LayerTap(variant_model), _LayerTap(baseline_model)
+    layer_err: list[list[float]] = []
     for w in windows:
         ids = torch.tensor([w.ids])
         rows = slice(w.score_from - 1, len(w.ids) - 1)  # row j predicts token j + 1
         targets = ids[0, w.score_from:]
         lv = variant_model.logits(ids)[0, rows].float().log_softmax(-1)
         lb = baseline_model.logits(ids)[0, rows].float().log_softmax(-1)
+        if hidden_v.outputs and len(hidden_v.outputs) == len(hidden_b.outputs):
+            layer_err.append([float((hv.float() - hb.float()).norm() / hb.float().norm().clamp_min(1e-12))
+                              for hv, hb in zip(hidden_v.outputs, hidden_b.outputs)])
+        hidden_v.outputs.clear(), hidden_b.outputs.clear()
         kld = (lb.exp() * (lb - lv)).sum(-1).clamp_min(0.0)
         klds.append(kld.double().numpy())
         agree.append((lv.argmax(-1) == lb.argmax(-1)).numpy())
@@ -210,6 +216,7 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         nll_b.append(-tb.double().numpy())
         dp.append((tv.exp() - tb.exp()).double().numpy())
         del lv, lb
+    hidden_v.remove(), hidden_b.remove()
     kld, same, nv, nb, delta = (np.concatenate(x) for x in (klds, agree, nll_v, nll_b, dp))
     ppl_v, ppl_b = math.exp(nv.mean()), math.exp(nb.mean())
     return {
@@ -225,8 +232,26 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         "ln_ppl_ratio": float(nv.mean() - nb.mean()),
         "rms_delta_p": float(np.sqrt((delta ** 2).mean())),
         "mean_delta_p": float(delta.mean()),
+        # relative L2 error of each decoder layer's output hidden states against the baseline's
+        "layer_hidden_error": [float(x) for x in np.mean(layer_err, axis=0)] if layer_err else None,
         "seconds": round(time.perf_counter() - start, 3),
     }
+
+
+class _LayerTap:
+    """Forward hooks that keep each decoder layer's output of the last forward pass."""
+
+    def __init__(self, model):
+        self.outputs: list[torch.Tensor] = []
+        self.handles = [layer.register_forward_hook(self._hook) for layer in getattr(model, "layers", [])]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.outputs.clear()
+
+    def _hook(self, module, inputs, output):
+        self.outputs.append((output[0] if isinstance(output, tuple) else output).detach())
 
 
 def greedy_outputs(llm, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:

@@ -102,13 +102,14 @@ def plot_metrics(doc: dict, path: Path) -> Path:
     return path
 
 
-def plot_layer_errors(errors: dict[str, float], path: Path) -> Path:
+def plot_layer_errors(errors: dict[str, float], path: Path, title: str = "per-layer quantization error",
+                      ylabel: str = "quantization error") -> Path:
     plt = _plt()
     fig, ax = plt.subplots(figsize=(max(6, len(errors) * 0.12), 3.5))
     ax.bar(range(len(errors)), list(errors.values()), color="#d62728")
     ax.set_xlabel("layer (in model order)")
-    ax.set_ylabel("quantization error")
-    ax.set_title("per-layer quantization error", fontsize=10)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
     if len(errors) <= 40:
         ax.set_xticks(range(len(errors)), list(errors), rotation=90, fontsize=6)
     fig.tight_layout()
@@ -232,6 +233,11 @@ def write_report(out_dir: str | Path, doc: dict) -> list[Path]:
     errors = layer_errors_of(doc)
     if errors:
         plots.append(plot_layer_errors(errors, out / PLOTS / "layer_errors.png"))
+    hidden = _get(doc, ("evaluation", "comparison", "layer_hidden_error"))
+    if hidden:
+        plots.append(plot_layer_errors({str(i): v for i, v in enumerate(hidden)}, out / PLOTS / "layer_hidden_error.png",
+                                       "per-layer hidden-state error against the baseline (relative L2)",
+                                       "relative L2 error"))
     doc["plots"] = [p.relative_to(out).as_posix() for p in plots]
     ev = doc.get("evaluation", {})
     title = f"Build report: {_get(ev, ('artifact', 'name')) or 'artifact'} {_get(ev, ('artifact', 'version')) or ''}".strip()
