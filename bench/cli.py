@@ -1,0 +1,36 @@
+"""``infer-bench``: ``serve`` loads a running server over HTTP; ``offline`` runs the engine benchmark."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: infer-bench {serve,offline} [options]
+
+  serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
+            requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s
+  offline   the engine throughput benchmark (no server)
+
+infer-bench COMMAND --help shows the options of each."""
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        from .serve import main as serve_main
+
+        sys.exit(serve_main(rest))
+    if command == "offline":
+        from .throughput import main as offline_main
+
+        code = offline_main(rest)
+        sys.exit(code if isinstance(code, int) else 0)
+    print(f"infer-bench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
