@@ -658,7 +658,7 @@ class _Gen:
                         merged[i][0], merged[i][2] = out, fin
                     else:
                         merged[i] = [out, out.delta_text, fin]
-                choices = []
+                choices, finals = [], []
                 for i, (out, text, fin) in sorted(merged.items()):
                     first = not started[i]
                     started[i] = True
@@ -671,10 +671,10 @@ class _Gen:
                         if text or lp:
                             choices.append({"index": i, "delta": {"content": text}, "logprobs": lp,
                                             "finish_reason": None})
-                        if out.finished:
+                        if out.finished:  # its own chunk, after the last content, as OpenAI sends it
                             c = {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
                             c["metrics"] = fin.as_dict() if fin else None
-                            choices.append(c)
+                            finals.append(c)
                     elif text or lp or out.finished:
                         c = {"index": i, "text": text, "logprobs": lp,
                              "finish_reason": out.finish_reason if out.finished else None}
@@ -683,6 +683,8 @@ class _Gen:
                         choices.append(c)
                 if choices:
                     yield self._chunk(choices)
+                if finals:
+                    yield self._chunk(finals)
             if req.include_usage:
                 yield self._chunk([], usage=self._usage())
             self._log_outputs()

@@ -64,7 +64,8 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def start_server(artifact: Path, log_dir: Path, *args: str, ready_timeout: float = 180) -> RunningServer:
+def launch_server(artifact: Path, log_dir: Path, *args: str) -> RunningServer:
+    """Starts ``infer-run`` on a free port without waiting for it (see ``wait_ready``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"server-{port}.log"
@@ -72,13 +73,17 @@ def start_server(artifact: Path, log_dir: Path, *args: str, ready_timeout: float
     with open(log_path, "wb") as log:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen([str(exe), str(artifact), "--port", str(port), *args], stdout=log,
                                 stderr=subprocess.STDOUT)
-    server = RunningServer(proc, url, log_path)
+    return RunningServer(proc, url, log_path)
+
+
+def wait_ready(server: RunningServer, ready_timeout: float = 180) -> RunningServer:
+    """Polls /health every 0.1 s, recording what it answered, until 200."""
     deadline = time.monotonic() + ready_timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"infer-run exited with {proc.returncode}:\n{server.log()}")
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"infer-run exited with {server.proc.returncode}:\n{server.log()}")
         try:
-            status = httpx.get(f"{url}/health", timeout=2).status_code
+            status = httpx.get(f"{server.url}/health", timeout=2).status_code
             server.health_seen.append(status)
             if status == 200:
                 return server
@@ -87,6 +92,10 @@ def start_server(artifact: Path, log_dir: Path, *args: str, ready_timeout: float
         time.sleep(0.1)
     server.stop()
     raise RuntimeError(f"infer-run not ready after {ready_timeout}s:\n{server.log()}")
+
+
+def start_server(artifact: Path, log_dir: Path, *args: str, ready_timeout: float = 180) -> RunningServer:
+    return wait_ready(launch_server(artifact, log_dir, *args), ready_timeout)
 
 
 # ==================================================================================== fixtures
@@ -101,11 +110,20 @@ SECRET = "zebra-marmalade-7731"  # appears in a prompt; must never reach the log
 
 
 @pytest.fixture(scope="module")
-def server(embedded_artifact, tmp_path_factory):
-    s = start_server(embedded_artifact, tmp_path_factory.mktemp("server"), "--api-key", KEY, "--max-num-seqs", "8",
-                     "--kv-cache-memory", "64M", "--max-body", "1000000")
-    yield s
-    assert s.stop() == 0
+def servers(embedded_artifact, tmp_path_factory):
+    """Both servers of this module, launched together so that they load in parallel."""
+    main = launch_server(embedded_artifact, tmp_path_factory.mktemp("server"), "--api-key", KEY,
+                         "--max-num-seqs", "8", "--kv-cache-memory", "64M", "--max-body", "1000000")
+    small = launch_server(embedded_artifact, tmp_path_factory.mktemp("small"), "--max-num-seqs", "1",
+                          "--max-queue", "2", "--kv-cache-memory", "64M", "--grace-period", "6", "--log-requests")
+    yield main, small
+    small.stop()
+    assert main.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return wait_ready(servers[0])
 
 
 @pytest.fixture(scope="module")
@@ -163,12 +181,12 @@ def test_completion_greedy_exact_usage_and_logprobs(server, client, model):
 
 def test_chat_uses_the_artifact_template_and_streaming_matches(server, client, model):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=8, temperature=0)
+    r = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=6, temperature=0)
     text = r.choices[0].message.content
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant" and "Paris" in text
     template = httpx.post(f"{server.url}/tokenize", json={"messages": msgs}, headers=auth()).json()
     assert r.usage.prompt_tokens == template["count"]
-    chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=8, temperature=0, stream=True,
+    chunks = list(client.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == text
@@ -184,7 +202,10 @@ def test_chat_uses_the_artifact_template_and_streaming_matches(server, client, m
 def test_n_seed_stop_and_engine_extras(server, client, model):
     kw = dict(model=model, prompt="Once upon a time", max_tokens=3, temperature=1.0, n=2, seed=7,
               extra_body={"top_k": 50, "min_p": 0.01, "repetition_penalty": 1.1, "ignore_eos": True})
-    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:  # concurrently: the same batch, still the same answers
+        a, b = pool.map(lambda _: client.completions.create(**kw), range(2))
     assert [c.index for c in a.choices] == [0, 1]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
     assert a.usage.completion_tokens == 6 and a.usage.prompt_tokens == len(tokenize(server, "Once upon a time"))
@@ -382,11 +403,8 @@ def test_prompts_and_outputs_are_not_logged_by_default(server, client, model):
 
 # ==================================================================================== overload, SIGTERM
 @pytest.fixture(scope="module")
-def small_server(embedded_artifact, tmp_path_factory):
-    s = start_server(embedded_artifact, tmp_path_factory.mktemp("small"), "--max-num-seqs", "1", "--max-queue", "2",
-                     "--kv-cache-memory", "64M", "--grace-period", "8", "--log-requests")
-    yield s
-    s.stop()
+def small_server(servers):
+    return wait_ready(servers[1])
 
 
 def _open_stream(http: httpx.Client, url: str, model: str, max_tokens: int):
@@ -459,6 +477,6 @@ def test_sigterm_finishes_or_aborts_in_flight_then_exits_0(small_server, model):
     assert done and events[-1]["choices"][0]["finish_reason"] == "length"
     events, done = results["long"]
     assert done and events[-1]["choices"][0]["finish_reason"] == "abort"
-    assert elapsed < 8 + 30
+    assert elapsed < 6 + 30
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
