@@ -33,7 +33,9 @@ def _main(raw: DictConfig) -> None:
         result = build(cfg)
     except GateFailed as e:  # the artifact was not published; the message names each gate, value, threshold
         log.error("gate failed: %s", e)
-        record_sweep_variant(e.doc, None)
+        if record_sweep_variant(e.doc, None) is not None:
+            _sweep_gate_failures.append(cfg.artifact.name)  # a sweep goes on to its other variants, exits 3 at the end
+            return
         sys.exit(EXIT_GATE_FAILED)
     except (BuildError, SourceError, ArtifactError, FileExistsError, EvaluationError) as e:
         log.error("build failed: %s", e)
@@ -42,8 +44,15 @@ def _main(raw: DictConfig) -> None:
     print(result.artifact)
 
 
+_sweep_gate_failures: list[str] = []
+
+
 def main() -> None:
     _main()
+    if _sweep_gate_failures:
+        log.error("gates failed for %d variant(s) of the sweep: %s", len(_sweep_gate_failures),
+                  ", ".join(_sweep_gate_failures))
+        sys.exit(EXIT_GATE_FAILED)
 
 
 if __name__ == "__main__":

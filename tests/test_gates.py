@@ -121,11 +121,16 @@ def test_infer_eval_on_any_artifact(passing_build, embedded_artifact, tmp_path):
 
 def test_multirun_sweep_writes_one_comparison_report(passing_build, cache_dir, tmp_path):
     sweep = tmp_path / "sweep"
-    proc = run_cli("infer-build", "-m", "model.dtype=float32,bfloat16", f"cache_dir={cache_dir}",
-                   f"output_dir={tmp_path}/out-${{model.dtype}}", "eval.baseline_dtype=float32", *SMALL,
-                   "eval.enabled=true", f"hydra.sweep.dir={sweep}", timeout=900)
-    assert proc.returncode == 0, proc.stderr
+    # float32 is its own baseline (top-1 agreement 1); bfloat16 fails a 0.99 gate but the sweep goes on
+    proc = run_cli("infer-build", "-m", "model.dtype=bfloat16,float32", f"cache_dir={cache_dir}",
+                   f"output_dir={tmp_path}/out-${{hydra:job.num}}", "eval.baseline_dtype=float32", *SMALL,
+                   "eval.gates.top1_agreement_min=0.99", f"hydra.sweep.dir={sweep}", timeout=900)
+    assert proc.returncode == 3, proc.stderr
+    assert "gates failed for 1 variant(s) of the sweep" in proc.stderr
+    assert (tmp_path / "out-1" / "eval.json").is_file() and not (tmp_path / "out-0").exists()
     table = (sweep / "comparison.md").read_text()
-    assert "0: float32" in table and "1: bfloat16" in table
+    assert "0: bfloat16" in table and "1: float32" in table
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| 0:") or line.startswith("| 1:")}
+    assert rows["0: bfloat16"].rstrip(" |").endswith("FAIL") and rows["1: float32"].rstrip(" |").endswith("PASS")
     assert (sweep / "comparison.html").is_file() and (sweep / "plots" / "comparison.png").is_file()
     assert len(list((sweep / "variants").glob("*.json"))) == 2
