@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ from .stage import StageResult, run_stage
 log = logging.getLogger("infer.build")
 
 # Bump a stage's version when its code changes what it writes: old cache entries then stop matching.
-STAGE_VERSIONS = {"load": 1, "package": 1}
+STAGE_VERSIONS = {"load": 1, "quantize": 1, "package": 1}
 
 
 class BuildError(Exception):
@@ -43,8 +44,28 @@ def recipe_record(cfg: BuildConfig) -> dict:
 def check_supported(cfg: BuildConfig) -> None:
     """Fails before any work for what this build cannot do."""
     if cfg.quant.method != QuantMethod.none:
-        raise BuildError(f"quant.method={cfg.quant.method.value}: the quantize stage is not available in this "
-                         f"build yet; use quant=none")
+        try:
+            import llmcompressor  # noqa: F401  - the quantize stage's algorithms
+        except ImportError as e:
+            raise BuildError(f"quant.method={cfg.quant.method.value}: llm-compressor is not installed ({e}); "
+                             f"pip install llmcompressor==0.14.0.1, or use quant=none") from None
+
+
+def quantize_stage(cfg: BuildConfig, cache: Path, loaded: StageResult, env: dict) -> tuple[StageResult, dict]:
+    """Plans the scheme and the calibration data (every check before calibration), then runs the stage."""
+    from .quantize import QuantError, calibration_windows, plan, quantize
+
+    try:
+        qplan = plan(cfg, json.loads((loaded.path / "config.json").read_text()))
+        windows, calib = calibration_windows(cfg, loaded.path) if qplan.needs_calibration else ([], None)
+    except QuantError as e:
+        raise BuildError(str(e)) from None
+    record = {**qplan.record(), "calibration": calib}
+    inputs = {"v": STAGE_VERSIONS["quantize"], "checkpoint": loaded.key, "plan": record,
+              "dampening_frac": cfg.quant.dampening_frac, "smoothing_strength": cfg.quant.smoothing_strength,
+              "packages": env["packages"]}
+    result = run_stage(cache, "quantize", inputs, lambda out: quantize(loaded.path, out, cfg, qplan, windows))
+    return result, record
 
 
 def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
@@ -61,6 +82,10 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     checkpoint = loaded
     recipe = recipe_record(cfg)
     env = build_environment()
+    quant_record = None
+    if cfg.quant.method != QuantMethod.none:
+        checkpoint, quant_record = quantize_stage(cfg, cache, loaded, env)
+        stages.append(checkpoint)
     manifest = {
         "name": cfg.artifact.name,
         "version": cfg.artifact.version,
@@ -69,6 +94,8 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
         "build": env,
         "stages": {s.name: s.key for s in stages},
     }
+    if quant_record is not None:
+        manifest["quantize"] = quant_record  # the scheme and the calibration data's hashes
     packaged = run_stage(cache, "package", {"v": STAGE_VERSIONS["package"], "format": FORMAT_VERSION,
                                             "checkpoint": checkpoint.key, "manifest": manifest},
                          lambda out: package(checkpoint.path, out, manifest))

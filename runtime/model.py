@@ -232,23 +232,32 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Maps HF tensor names onto this model's, concatenating q/k/v and gate/up."""
+def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
+                       quantized: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Maps HF tensor names onto this model's, concatenating q/k/v and gate/up.
+
+    ``quantized``: modules (this model's names) whose weights were taken out already as quantized
+    linears (runtime.quant_linear.take_quantized); only their biases are mapped here."""
     out: dict[str, torch.Tensor] = {}
     pop = hf.pop
     out["embed_tokens.weight"] = pop("model.embed_tokens.weight")
     out["norm.weight"] = pop("model.norm.weight")
-    out["lm_head.weight"] = out["embed_tokens.weight"] if cfg.tie_word_embeddings else pop("lm_head.weight")
+    if "lm_head" not in quantized:
+        out["lm_head.weight"] = out["embed_tokens.weight"] if cfg.tie_word_embeddings else pop("lm_head.weight")
     hf.pop("lm_head.weight", None)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        attn, mlp = p + "self_attn.", p + "mlp."
-        out[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat([pop(attn + f"{n}_proj.weight") for n in "qkv"])
+        attn, mlp, m = p + "self_attn.", p + "mlp.", f"layers.{i}."
+        if m + "self_attn.qkv_proj" not in quantized:
+            out[m + "self_attn.qkv_proj.weight"] = torch.cat([pop(attn + f"{n}_proj.weight") for n in "qkv"])
         if cfg.attention_bias:
             out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([pop(attn + f"{n}_proj.bias") for n in "qkv"])
-        out[f"layers.{i}.self_attn.o_proj.weight"] = pop(attn + "o_proj.weight")
-        out[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([pop(mlp + "gate_proj.weight"), pop(mlp + "up_proj.weight")])
-        out[f"layers.{i}.mlp.down_proj.weight"] = pop(mlp + "down_proj.weight")
+        if m + "self_attn.o_proj" not in quantized:
+            out[m + "self_attn.o_proj.weight"] = pop(attn + "o_proj.weight")
+        if m + "mlp.gate_up_proj" not in quantized:
+            out[m + "mlp.gate_up_proj.weight"] = torch.cat([pop(mlp + "gate_proj.weight"), pop(mlp + "up_proj.weight")])
+        if m + "mlp.down_proj" not in quantized:
+            out[m + "mlp.down_proj.weight"] = pop(mlp + "down_proj.weight")
         out[f"layers.{i}.input_layernorm.weight"] = pop(p + "input_layernorm.weight")
         out[f"layers.{i}.post_attention_layernorm.weight"] = pop(p + "post_attention_layernorm.weight")
     leftover = sorted(k for k in hf if "rotary_emb" not in k)
@@ -261,14 +270,32 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None) -> Transforme
     """Builds the model from an HF-format directory (config.json + safetensors)."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
-    state = fuse_hf_state_dict(read_state_dict(path), cfg)
+    hf = read_state_dict(path)
+    hf_config = json.loads((path / "config.json").read_text())
+    quantized = {}
+    if hf_config.get("quantization_config"):  # compressed-tensors: quantized linears keep their packed weights
+        from .quant_linear import is_quantized_config, take_quantized
+
+        if not is_quantized_config(hf_config):
+            raise ValueError(f"quantization_config.quant_method "
+                             f"{hf_config['quantization_config'].get('quant_method')!r} is not supported; "
+                             f"supported: compressed-tensors")
+        quantized = take_quantized(hf, hf_config["quantization_config"], cfg.num_layers)
+    state = fuse_hf_state_dict(hf, cfg, set(quantized))
     dtype = dtype or state["embed_tokens.weight"].dtype
     with torch.device("meta"):
         model = Transformer(cfg)
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
+    if quantized:
+        from .quant_linear import make_linear
+
+        for name, qweight in quantized.items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    make_linear(qweight, state.get(name + ".bias"), dtype))
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:

@@ -1,0 +1,52 @@
+"""Helpers for the quantization tests: quick compressed-tensors checkpoints and the comparisons."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+
+# compressed-tensors schemes, named as the recipe methods that produce each format
+RTN_SCHEMES = {
+    "w4a16": {"weights": dict(num_bits=4, type="int", strategy="group", group_size=64, symmetric=True)},
+    "w4a16_asym_g32": {"weights": dict(num_bits=4, type="int", strategy="group", group_size=32, symmetric=False)},
+    "w8a16": {"weights": dict(num_bits=8, type="int", strategy="channel", symmetric=True)},
+    "w8a8": {"weights": dict(num_bits=8, type="int", strategy="channel", symmetric=True),
+             "input_activations": dict(num_bits=8, type="int", strategy="token", symmetric=True, dynamic=True)},
+    "fp8": {"weights": dict(num_bits=8, type="float", strategy="channel", symmetric=True),
+            "input_activations": dict(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True)},
+}
+
+
+def rtn_checkpoint(src: Path, out: Path, scheme: str) -> Path:
+    """A compressed-tensors checkpoint of ``src`` by round-to-nearest (llm-compressor's data-free
+    QuantizationModifier): the same file format GPTQ/AWQ/SmoothQuant write, in seconds."""
+    import transformers
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import QuantizationModifier
+
+    if (out / "config.json").is_file():
+        return out
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    args = {k: QuantizationArgs(**v) for k, v in RTN_SCHEMES[scheme].items()}
+    oneshot(model=model, recipe=[QuantizationModifier(
+        config_groups={"g": QuantizationScheme(targets=["Linear"], **args)}, ignore=["lm_head"])], pipeline="datafree")
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp, save_compressed=True)
+    for n in TOKENIZER_FILES:
+        if (src / n).is_file():
+            shutil.copyfile(src / n, tmp / n)
+    tmp.rename(out)
+    return out
+
+
+def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
+    """max |difference|, mean KL(ref || ours) per token and top-1 agreement of two [T, V] logit sets."""
+    lp, lq = torch.log_softmax(ref.double(), -1), torch.log_softmax(ours.double(), -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return {"max_abs": (ours - ref).abs().max().item(), "scale": ref.abs().max().item(),
+            "mean_kl": kl.mean().item(), "top1": (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()}
