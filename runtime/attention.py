@@ -26,7 +26,8 @@ class PrefillChunk:
 class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
-                 decode_lens: torch.Tensor):
+                 decode_lens: torch.Tensor, decode_kernel=None):
+        self.decode_kernel = decode_kernel  # kernels.cpu_attention's, or None: gather + SDPA
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.slot_mapping = slot_mapping  # [T] cache slot of each new token
@@ -34,7 +35,7 @@ class PagedAttention:
         self.decode_rows = decode_rows  # [D] rows of decode queries
         self.decode_blocks = decode_blocks  # [D, max_blocks]
         self.decode_lens = decode_lens  # [D] context length of each
-        if len(decode_rows):
+        if len(decode_rows) and decode_kernel is None:
             span = torch.arange(decode_blocks.shape[1] * block_size)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
 
@@ -50,17 +51,22 @@ class PagedAttention:
             if c.context == c.length:  # nothing cached before: attend within the chunk
                 kc, vc = k[c.start:c.start + c.length], v[c.start:c.start + c.length]
             else:
-                kc = k_cache[c.blocks].view(-1, kvh, d)[:c.context]
-                vc = v_cache[c.blocks].view(-1, kvh, d)[:c.context]
+                kc = k_cache.index_select(0, c.blocks).view(-1, kvh, d)[:c.context]
+                vc = v_cache.index_select(0, c.blocks).view(-1, kvh, d)[:c.context]
             out[c.start:c.start + c.length] = _causal_chunk(qc, kc, vc, group)
         if len(self.decode_rows):
             nd = len(self.decode_rows)
+            if self.decode_kernel is not None:
+                qd = q.index_select(0, self.decode_rows)
+                od = self.decode_kernel(qd, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
+                out.index_copy_(0, self.decode_rows, od)
+                return out
             # fold the query heads sharing a KV head into the query axis: no K/V repeat for GQA
-            qd = q[self.decode_rows].view(nd, kvh, group, d)
-            kd = k_cache[self.decode_blocks].view(nd, -1, kvh, d).transpose(1, 2)
-            vd = v_cache[self.decode_blocks].view(nd, -1, kvh, d).transpose(1, 2)
+            qd = q.index_select(0, self.decode_rows).view(nd, kvh, group, d)
+            kd = k_cache.index_select(0, self.decode_blocks.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
+            vd = v_cache.index_select(0, self.decode_blocks.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask)
-            out[self.decode_rows] = od.reshape(nd, kvh * group, d)
+            out.index_copy_(0, self.decode_rows, od.reshape(nd, kvh * group, d))
         return out
 
 

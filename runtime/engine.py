@@ -37,6 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    attention_backend: str = "auto"  # auto | cpp (compiled CPU kernel) | torch (gather + SDPA)
 
 
 @dataclass
@@ -123,7 +124,7 @@ class LLMEngine:
                                           model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.attention_backend)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}

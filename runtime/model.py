@@ -106,7 +106,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

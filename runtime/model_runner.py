@@ -20,6 +20,21 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
+def _decode_kernel(backend: str):
+    """``auto``: the compiled CPU kernel when it builds; ``torch``: gather + SDPA; ``cpp``: the kernel or fail."""
+    if backend not in ("auto", "torch", "cpp"):
+        raise ValueError(f"attention_backend={backend!r}: choose auto, torch or cpp")
+    if backend == "torch":
+        return None
+    from infer.kernels import cpu_attention
+
+    if cpu_attention.load() is None:
+        if backend == "cpp":
+            raise RuntimeError("attention_backend=cpp but the CPU kernel could not be built (see the warning above)")
+        return None
+    return cpu_attention.paged_decode_attention
+
+
 @dataclass
 class StepOutput:
     sampled: list[Sequence]  # sequences that reached their last token: one new token each
@@ -28,8 +43,9 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto"):
         cfg = model.config
+        self.decode_kernel = _decode_kernel(attention_backend)
         self.model = model
         self.block_size = block_size
         self.kv_cache = torch.empty(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -59,7 +75,7 @@ class ModelRunner:
         width = max((len(t) for t in decode_tables), default=0)
         blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long).view(len(decode_tables), width)
         ctx = PagedAttention(self.kv_cache, bs, torch.tensor(slots), prefills, torch.tensor(decode_rows, dtype=torch.long),
-                             blocks, torch.tensor(decode_lens))
+                             blocks, torch.tensor(decode_lens, dtype=torch.long), self.decode_kernel)
         return torch.tensor(ids), torch.tensor(positions), ctx
 
     @torch.inference_mode()

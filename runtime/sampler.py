@@ -1,9 +1,9 @@
 """Next-token choice for a whole batch at once, each row with its own parameters.
 
 Order: penalties on the raw logits, then greedy rows take the argmax; the others are scaled by
-temperature, cut by top-k, top-p and min-p, and sampled by the exponential race
-(argmax p/E with E ~ Exp(1)), which needs one noise vector per row: a seeded row draws its
-noise from its own generator, so its output does not depend on what else is in the batch.
+temperature, cut by top-k, top-p and min-p, and sampled by inverse CDF, which needs one uniform number per
+row: a seeded row draws it from its own generator, so its output does not depend on what else
+is in the batch.
 """
 
 from __future__ import annotations
@@ -70,15 +70,20 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def _noise(seqs: list[Sequence], vocab: int) -> torch.Tensor:
-    noise = torch.empty(len(seqs), vocab)
-    unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-    if unseeded:
-        noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_()
+def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
+    """One uniform number per row; a seeded row draws it from its own generator."""
+    u = torch.rand(len(seqs))
     for i, s in enumerate(seqs):
         if s.generator is not None:
-            noise[i].exponential_(generator=s.generator)
-    return noise
+            u[i] = torch.rand(1, generator=s.generator)
+    return u
+
+
+def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Inverse-CDF sampling: one cumulative sum and one uniform per row, no per-token noise."""
+    cdf = probs.cumsum(-1)
+    target = _uniforms(seqs)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
@@ -91,7 +96,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         rows = (~greedy).nonzero().flatten()
         subset = [seqs[i] for i in rows.tolist()]
         probs = filter_logits(logits[rows], subset).softmax(-1)
-        chosen[rows] = (probs / _noise(subset, logits.shape[1])).argmax(-1)
+        chosen[rows] = draw(probs, subset)
     token_ids = chosen.tolist()
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):

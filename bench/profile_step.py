@@ -1,0 +1,104 @@
+"""Where one decode step's time goes: matmuls, attention, other model ops, sampler, Python.
+
+Puts N requests with ~300-token prompts into the engine, prefills them, then profiles a few
+pure-decode steps with torch.profiler and splits the wall time into buckets.
+
+    python -m infer.bench.profile_step [--artifact DIR] [--batch 64] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .throughput import RESULTS, default_artifact, make_requests
+
+MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
+          "aten::_int_mm"}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", type=Path)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--json", type=Path, default=RESULTS / "profile_step.json")
+    args = p.parse_args(argv)
+
+    from infer.runtime import LLMEngine, SamplingParams
+    from infer.runtime import engine as engine_mod
+
+    artifact = args.artifact or default_artifact(args.dtype)
+    engine = LLMEngine(artifact, dtype=args.dtype, max_num_seqs=args.batch, kv_cache_memory=2 << 30)
+    for i, (prompt, _) in enumerate(make_requests(args.batch, engine.model.config.vocab_size, 0, (250, 350))):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=10_000, ignore_eos=True, temperature=0.7))
+    while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    engine.step()
+    # label the phases so the profile can split them
+    execute, sample = engine.runner.execute, engine_mod.sample
+
+    def labelled_execute(batch):
+        with record_function("phase::model"):
+            return execute(batch)
+
+    def labelled_sample(logits, seqs):
+        with record_function("phase::sampler"):
+            return sample(logits, seqs)
+
+    kernel = engine.runner.decode_kernel
+
+    def labelled_kernel(*a):
+        with record_function("paged_attention"):
+            return kernel(*a)
+
+    engine.runner.execute, engine_mod.sample = labelled_execute, labelled_sample
+    if kernel is not None:
+        engine.runner.decode_kernel = labelled_kernel
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+    wall = (time.perf_counter() - start) / args.steps
+    engine.runner.execute, engine_mod.sample, engine.runner.decode_kernel = execute, sample, kernel
+    events = prof.key_averages()
+    total = {e.key: e.cpu_time_total / 1e6 / args.steps for e in events}
+    self_ = {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in events}
+    model = total.get("phase::model", 0.0)
+    sampler = total.get("phase::sampler", 0.0)
+    matmul = sum(v for k, v in self_.items() if k in MATMUL)
+    attention = sum(v for k, v in self_.items() if "attention" in k or "paged" in k)
+    buckets = {
+        "matmul": matmul,
+        "attention": attention,
+        "other model ops": max(0.0, model - matmul - attention - _python_share(prof, args.steps)),
+        "sampler": sampler,
+        "python and scheduling": max(0.0, wall - model - sampler) + _python_share(prof, args.steps),
+    }
+    print(f"decode step at batch {args.batch} ({args.dtype}): {wall * 1e3:.1f} ms = {args.batch / wall:.0f} tok/s")
+    for name, seconds in buckets.items():
+        print(f"  {name:<22} {seconds * 1e3:7.1f} ms  {100 * seconds / wall:5.1f}%")
+    result = {"benchmark": "decode_step_profile", "batch": args.batch, "dtype": args.dtype, "step_s": wall,
+              "tokens_per_s": args.batch / wall, "buckets_s": buckets}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _python_share(prof, steps: int) -> float:
+    """Time inside the model phase not spent in any aten op: Python between the ops."""
+    events = prof.key_averages()
+    model = next((e for e in events if e.key == "phase::model"), None)
+    if model is None:
+        return 0.0
+    ops = sum(e.self_cpu_time_total for e in events if e.key.startswith("aten::") or e.key == "paged_attention")
+    return max(0.0, (model.cpu_time_total - ops) / 1e6 / steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Offline throughput: this engine against transformers ``generate`` on the same requests, same run.
+
+N requests with random prompt lengths in [64, 512] and output lengths in [32, 256] tokens
+(ignore_eos, so every request generates exactly its length), as nano-vllm's benchmark does.
+transformers runs them in static batches of 8 in arrival order: each batch is left-padded and
+decodes until its longest request is done; only the tokens requests asked for are counted.
+
+    python -m infer.bench.throughput [--artifact DIR] [--requests 64] [--dtype bfloat16] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def make_requests(n: int, vocab: int, seed: int, prompt_range=(64, 512), output_range=(32, 256)):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        plen, olen = rng.randint(*prompt_range), rng.randint(*output_range)
+        reqs.append(([rng.randrange(100, vocab) for _ in range(plen)], olen))
+    return reqs
+
+
+def default_artifact(dtype: str) -> Path:
+    """Builds (or finds in the cache) the embedded model at the benchmark's dtype."""
+    from infer.pipeline.build import build
+    from infer.pipeline.config import compose_recipe
+
+    out = RESULTS.parent.parent / "artifacts" / f"bench-smollm2-{dtype}"
+    return build(compose_recipe([f"model.dtype={dtype}", f"output_dir={out}", "artifact.name=bench-smollm2"])).artifact
+
+
+def run_engine(artifact: Path, reqs, temperature: float, **engine_args) -> dict:
+    from infer.runtime import LLM, SamplingParams
+
+    llm = LLM(artifact, **engine_args)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    llm.generate([reqs[0][0][:32]], warm)
+    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=temperature, seed=i)
+              for i, (_, o) in enumerate(reqs)]
+    start = time.perf_counter()
+    outs = llm.generate([p for p, _ in reqs], params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    assert tokens == sum(o for _, o in reqs)
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+            "steps": llm.engine.stats["steps"], "preemptions": llm.engine.scheduler.num_preemptions}
+
+
+def run_transformers(artifact: Path, reqs, temperature: float, dtype: torch.dtype, batch: int = 8) -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=dtype).eval()
+    pad = model.config.pad_token_id or 0
+    gen_kwargs = dict(do_sample=temperature > 0, pad_token_id=pad)
+    if temperature > 0:
+        gen_kwargs.update(temperature=temperature, top_p=1.0, top_k=0)
+    with torch.inference_mode():
+        model.generate(torch.tensor([reqs[0][0][:32]]), max_new_tokens=4, **gen_kwargs)
+        tokens, start = 0, time.perf_counter()
+        for i in range(0, len(reqs), batch):
+            chunk = reqs[i:i + batch]
+            width = max(len(p) for p, _ in chunk)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+            longest = max(o for _, o in chunk)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                                 **gen_kwargs)
+            assert out.shape[1] == width + longest
+            tokens += sum(o for _, o in chunk)
+        seconds = time.perf_counter() - start
+    return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds, "batch_size": batch}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--artifact", type=Path, help="artifact directory (default: build the embedded model)")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
+    args = p.parse_args(argv)
+
+    artifact = args.artifact or default_artifact(args.dtype)
+    from infer.runtime.model import ModelConfig
+
+    reqs = make_requests(args.requests, ModelConfig.from_dir(artifact).vocab_size, args.seed)
+    engine = run_engine(artifact, reqs, args.temperature, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+    print(f"infer engine : {engine['output_tokens']} tokens in {engine['seconds']:.1f}s = "
+          f"{engine['tokens_per_s']:.1f} tok/s ({engine['steps']} steps)")
+    result = {"benchmark": "offline_throughput", "requests": args.requests, "dtype": args.dtype,
+              "temperature": args.temperature, "threads": torch.get_num_threads(),
+              "machine": platform.processor() or platform.machine(), "engine": engine}
+    if not args.skip_transformers:
+        hf = run_transformers(artifact, reqs, args.temperature, getattr(torch, args.dtype))
+        print(f"transformers : {hf['output_tokens']} tokens in {hf['seconds']:.1f}s = {hf['tokens_per_s']:.1f} tok/s "
+              f"(static batches of {hf['batch_size']})")
+        result["transformers"] = hf
+        result["speedup"] = engine["tokens_per_s"] / hf["tokens_per_s"]
+        print(f"speedup      : {result['speedup']:.2f}x")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

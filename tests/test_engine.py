@@ -1,0 +1,145 @@
+"""The engine end to end on the embedded model: greedy outputs equal transformers' token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.runtime import LLM, LLMEngine, SamplingParams
+from infer.runtime.model import ModelConfig
+
+QUESTIONS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+    "Explain recursion in one sentence.", "What is 12 times 12?", "Translate 'good morning' into Spanish.",
+    "Name a famous painting by Leonardo da Vinci.", "What does a CPU do?", "Give me a synonym for happy.",
+    "Who wrote Romeo and Juliet?", "What is the boiling point of water in Celsius?",
+    "Suggest a name for a black cat.", "Why is the sky blue?", "What is Python used for?",
+]
+RAW = ["def add(a, b):\n    return", "Once upon a time, in a small village,"]
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def prompts(embedded_llm):
+    tok = embedded_llm.tokenizer
+    return [tok.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS] + RAW
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_reference, prompts, embedded_llm):
+    """transformers' greedy continuation of each prompt, one at a time (no padding involved)."""
+    model, _ = hf_reference
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([embedded_llm.tokenizer.encode(p)])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                                 do_sample=False, eos_token_id=None, pad_token_id=2)
+        outs.append(gen[0, ids.shape[1]:].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("backend", ["cpp", "torch"])
+def test_greedy_batch_matches_transformers_with_chunking_prefix_cache_and_preemption(
+        embedded_artifact, prompts, hf_greedy, backend):
+    cfg = ModelConfig.from_dir(embedded_artifact)
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V of 16 tokens
+    # 20 blocks: far fewer than 16 sequences of ~60 tokens need, so preemption must happen
+    llm = LLM(embedded_artifact, attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=16,
+              kv_cache_memory=20 * per_block)
+    assert llm.engine.num_blocks == 20
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for out, expected in zip(outs, hf_greedy):
+        assert out.token_ids == expected, (out.prompt[-60:], out.text)
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.prefix_hits > 0  # the chat template's shared system prompt
+    assert engine.block_manager.num_free_blocks == engine.num_blocks  # nothing leaked
+
+
+def test_greedy_answer_and_finish_reasons(embedded_llm, prompts):
+    outs = embedded_llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=64))
+    assert "Paris" in outs[0].text and outs[0].finish_reason == "stop"
+    short = embedded_llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=5))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 5
+
+
+def test_stop_strings_and_stop_tokens(embedded_llm, prompts):
+    full = embedded_llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=40))[0].text
+    word = full.split()[3]
+    cut = embedded_llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=40, stop=[word]))[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.index(word)]
+    first = embedded_llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=40))[0].token_ids[2]
+    by_id = embedded_llm.generate(prompts[1], SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[first]))[0]
+    assert by_id.finish_reason == "stop" and by_id.token_ids[-1] == first and len(by_id.token_ids) == 3
+
+
+def test_seed_gives_same_output_whatever_the_batch(embedded_llm, prompts):
+    p = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=1234)
+    alone = embedded_llm.generate(prompts[3], p)[0].token_ids
+    crowd = embedded_llm.generate(prompts[:6], [SamplingParams(temperature=0.8, max_tokens=20)] * 3 + [p] +
+                                  [SamplingParams(temperature=1.2, max_tokens=12)] * 2)
+    assert crowd[3].token_ids == alone
+    other_seed = embedded_llm.generate(prompts[3], SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16,
+                                                                  seed=99))[0].token_ids
+    assert other_seed != alone
+
+
+def test_abort_frees_blocks_at_once(embedded_artifact):
+    engine = LLMEngine(embedded_artifact, kv_cache_memory=64 << 20)
+    free = engine.block_manager.num_free_blocks
+    engine.add_request("a", "Tell me a long story about dragons.", SamplingParams(max_tokens=200, ignore_eos=True))
+    engine.add_request("b", "Count to one hundred.", SamplingParams(max_tokens=200, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.block_manager.num_free_blocks < free
+    out = engine.abort_request("a")
+    assert out.finished and out.finish_reason == "abort"
+    engine.abort_request("b")
+    assert engine.block_manager.num_free_blocks == free and not engine.has_unfinished_requests()
+
+
+def test_logprobs_are_the_models(embedded_llm, embedded_artifact, prompts):
+    out = embedded_llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                           prompt_logprobs=1))[0]
+    ids = torch.tensor([out.prompt_token_ids + out.token_ids])
+    logp = embedded_llm.engine.model.logits(ids)[0].log_softmax(-1)
+    n = len(out.prompt_token_ids)
+    for i, lp in enumerate(out.logprobs):
+        assert lp["token_id"] == out.token_ids[i]
+        assert lp["logprob"] == pytest.approx(logp[n - 1 + i, out.token_ids[i]].item(), abs=1e-4)
+        assert lp["top"][0][0] == out.token_ids[i] and len(lp["top"]) == 2  # greedy picks the top token
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == n
+    for j in range(1, n):
+        assert out.prompt_logprobs[j]["logprob"] == pytest.approx(logp[j - 1, out.prompt_token_ids[j]].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("prompt,params,match", [
+    ("", {}, "prompt is empty"),
+    ("hi", {"max_tokens": 0}, "max_tokens"),
+    ("hi", {"temperature": -1}, "temperature"),
+    ("hi", {"top_p": 0}, "top_p"),
+    ("hi", {"top_p": 1.5}, "top_p"),
+    ("hi", {"top_k": 0}, "top_k"),
+    ("hi", {"min_p": 2}, "min_p"),
+    ("hi", {"logprobs": 50}, "logprobs"),
+    ("hi", {"stop": [""]}, "stop"),
+    ("hi", {"frobnicate": 1}, "unknown sampling parameter 'frobnicate'"),
+])
+def test_bad_input_is_a_clear_value_error(embedded_llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        embedded_llm.generate(prompt, SamplingParams.from_dict(params))
+
+
+def test_prompt_over_context_limit(embedded_artifact):
+    llm = LLM(embedded_artifact, max_model_len=64, kv_cache_memory=64 << 20)
+    with pytest.raises(ValueError, match=r"prompt is 100 tokens, over this engine's context limit of 64"):
+        llm.generate([[5] * 100])
+    with pytest.raises(ValueError, match=r"outside the vocabulary"):
+        llm.generate([[10**9]])
+    # a bad prompt in a list queues nothing
+    with pytest.raises(ValueError):
+        llm.generate(["fine", ""])
+    assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5] * 60], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4  # the context limit ends it

@@ -1,0 +1,78 @@
+"""The CPU paged-attention kernel and the gather + SDPA path against a float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infer.kernels import cpu_attention
+from infer.runtime.attention import PagedAttention, PrefillChunk
+
+
+def random_paged(seqs: int, heads: int, kv_heads: int, head_dim: int, dtype, block_size: int = 16):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    num_blocks = 64
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    lens = torch.randint(1, 7 * block_size, (seqs,), generator=gen)
+    width = int(-(-lens.max() // block_size))
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(seqs)])
+    q = torch.randn(seqs, heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, tables, lens
+
+
+def reference(q, k, v, tables, lens):
+    out = []
+    kv_heads, d = k.shape[2], k.shape[3]
+    for i in range(q.shape[0]):
+        keys = k[tables[i]].reshape(-1, kv_heads, d)[:lens[i]].double().transpose(0, 1)[None]
+        vals = v[tables[i]].reshape(-1, kv_heads, d)[:lens[i]].double().transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q[i].double()[None, :, None, :], keys, vals, enable_gqa=True)
+        out.append(o[0, :, 0, :])
+    return torch.stack(out)
+
+
+def test_kernel_builds_here():
+    # the machines this runs on have a C++ compiler: a missing kernel is a failure, not a skip
+    assert cpu_attention.load() is not None
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 40)])
+def test_kernel_matches_float64(dtype, tol, heads, kv_heads, head_dim):
+    q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, dtype)
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    assert got.dtype == dtype
+    assert (got.double() - reference(q, k, v, tables, lens)).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("kernel", [None, cpu_attention.paged_decode_attention], ids=["sdpa", "cpp"])
+def test_paged_attention_context_mixes_prefill_and_decode(kernel):
+    """One step with a decode and a prompt chunk over a cached prefix, as the engine builds it."""
+    torch.manual_seed(torch.seed() % 2**31)
+    dtype = torch.float64 if kernel is None else torch.float32  # the kernel takes 16- and 32-bit floats
+    tol = 1e-10 if kernel is None else 1e-5
+    bs, kvh, heads, d, layers = 4, 2, 4, 16, 1
+    cache = torch.zeros(layers, 2, 16, bs, kvh, d, dtype=dtype)
+    # sequence A: 6 tokens cached, decodes its 7th; sequence B: 5 cached, prefills 3 more
+    table_a, table_b = [3, 7], [1, 9, 12]
+    hist_a, hist_b = torch.randn(2, 6, kvh, d, dtype=dtype), torch.randn(2, 5, kvh, d, dtype=dtype)
+    for hist, table in ((hist_a, table_a), (hist_b, table_b)):
+        for p in range(hist.shape[1]):
+            cache[0, :, table[p // bs], p % bs] = hist[:, p]
+    q, k, v = (torch.randn(4, n, d, dtype=dtype) for n in (heads, kvh, kvh))
+    slots = [table_a[6 // bs] * bs + 6 % bs] + [table_b[p // bs] * bs + p % bs for p in (5, 6, 7)]
+    ctx = PagedAttention(cache, bs, torch.tensor(slots), [PrefillChunk(1, 3, 8, torch.tensor(table_b))],
+                         torch.tensor([0]), torch.tensor([table_a]), torch.tensor([7]), kernel)
+    out = ctx.attend(0, q, k, v)
+    # reference: whole histories, causal for B's chunk
+    ka, va = torch.cat([hist_a[0], k[:1]]), torch.cat([hist_a[1], v[:1]])
+    kb, vb = torch.cat([hist_b[0], k[1:]]), torch.cat([hist_b[1], v[1:]])
+    exp_a = F.scaled_dot_product_attention(q[:1].transpose(0, 1)[None], ka.transpose(0, 1)[None],
+                                           va.transpose(0, 1)[None], enable_gqa=True)[0].transpose(0, 1)
+    mask = torch.arange(8)[None, :] <= torch.arange(5, 8)[:, None]
+    exp_b = F.scaled_dot_product_attention(q[1:].transpose(0, 1)[None], kb.transpose(0, 1)[None],
+                                           vb.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
+    assert torch.allclose(out[:1], exp_a, atol=tol) and torch.allclose(out[1:], exp_b, atol=tol)
+    assert torch.equal(cache[0, 0, table_b[1], 1], k[1])  # position 5 of B landed in its slot
