@@ -480,3 +480,26 @@ def test_sigterm_finishes_or_aborts_in_flight_then_exits_0(small_server, model):
     assert elapsed < 6 + 30
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{url}/health", timeout=2)
+
+
+def test_a_client_that_never_reads_does_not_stall_the_batch(server, client, model):
+    import socket as _socket
+
+    body = json.dumps({"model": model, "prompt": "Write a very long essay.", "max_tokens": 60, "stream": True,
+                       "ignore_eos": True}).encode()
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = _socket.socket()
+    sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, 1024)  # a tiny window: the server's writes back up
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        assert wait_for(lambda: server.metrics()["infer:num_requests_running"] >= 1, timeout=60)
+        steps = server.metrics()["infer:engine_steps_total"]
+        r = client.completions.create(model=model, prompt="Hello", max_tokens=3, extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3  # served while the other client reads nothing
+        assert server.metrics()["infer:engine_steps_total"] >= steps + 3
+    finally:
+        sock.close()
+    assert wait_for(lambda: server.metrics()["infer:kv_cache_blocks_used"] == 0, timeout=60)
