@@ -42,6 +42,47 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// e^x for 16 lanes: 2^n * 2^f with n = round(x log2 e) and Cephes' exp2f polynomial on f in [-1/2, 1/2]
+// (relative error about 2e-7); libm's scalar expf would cost more than the dot products.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In-place softmax of n floats.
+inline void softmax_inplace(float* x, int64_t n) {
+  __m512 mx = _mm512_set1_ps(x[0]);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+  if (i < n) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, x + i));
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (i = 0; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
+    _mm512_storeu_ps(x + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  if (i < n) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, x + i), m)));
+    _mm512_mask_storeu_ps(x + i, tail, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+  if (i < n) _mm512_mask_storeu_ps(x + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + i), inv));
+}
+
 // Scores of `group` query rows (float32, head_dim floats each) against one K row.
 template <typename T>
 inline void score_row(const float* q, const T* k, float* out, int64_t group, int64_t head_dim, int64_t stride) {
@@ -63,6 +104,63 @@ inline void accumulate_row(const float* p, int64_t p_stride, const T* v, float* 
     }
   }
 }
+
+// One (sequence, KV head) task with the head count per KV head (G) and head_dim / 16 (D) known at
+// compile time, so the queries and the output accumulators live in registers for the whole task.
+template <typename T, int G, int D>
+void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
+                int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
+                float* acc_out) {
+  __m512 q[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) q[g][d] = _mm512_loadu_ps(qf + g * D * 16 + d * 16);
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    __m512 kr[D];
+    for (int d = 0; d < D; ++d) kr[d] = load16(k + d * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(q[g][0], kr[0]);
+      for (int d = 1; d < D; ++d) a = _mm512_fmadd_ps(q[g][d], kr[d], a);
+      scores[g * len + t] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  __m512 acc[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) acc[g][d] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    __m512 vr[D];
+    for (int d = 0; d < D; ++d) vr[d] = load16(v + d * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int d = 0; d < D; ++d) acc[g][d] = _mm512_fmadd_ps(p, vr[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc_out + g * D * 16 + d * 16, acc[g][d]);
+}
+
+using FixedTask = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, float*, float*);
+
+template <typename T, int G, int D>
+void fixed_task_erased(const float* qf, const void* k, const void* v, const int64_t* table, int64_t len,
+                       int64_t bs, int64_t block_stride, int64_t token_stride, int64_t off, float* scores, float* acc) {
+  fixed_task<T, G, D>(qf, static_cast<const T*>(k), static_cast<const T*>(v), table, len, bs, block_stride,
+                      token_stride, off, scores, acc);
+}
+
+// The specialised task for this shape, or nullptr for the general path.
+template <typename T>
+FixedTask pick_fixed_task(int64_t group, int64_t head_dim) {
+#define INFER_CASE(G, D) if (group == G && head_dim == D * 16) return &fixed_task_erased<T, G, D>;
+  INFER_CASE(1, 4) INFER_CASE(2, 4) INFER_CASE(3, 4) INFER_CASE(4, 4) INFER_CASE(5, 4) INFER_CASE(6, 4)
+  INFER_CASE(7, 4) INFER_CASE(8, 4) INFER_CASE(1, 8) INFER_CASE(2, 8) INFER_CASE(4, 8) INFER_CASE(7, 8)
+  INFER_CASE(8, 8)
+#undef INFER_CASE
+  return nullptr;
+}
 #endif
 
 template <typename T>
@@ -73,6 +171,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;    // between tokens of a block
   const int64_t block_stride = block_size * token_stride;  // between blocks
+#if defined(__AVX512F__)
+  const FixedTask fixed = pick_fixed_task<T>(group, head_dim);
+#endif
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -82,6 +183,18 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t g = 0; g < group; ++g)
         load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       scores.assign(group * len, 0.f);
+#if defined(__AVX512F__)
+      if (fixed != nullptr) {
+        for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
+        fixed(qf.data(), k_cache, v_cache, table, len, block_size, block_stride, token_stride, kvh * head_dim,
+              scores.data(), acc.data());
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + (s * num_heads + kvh * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+        }
+        continue;
+      }
+#endif
 #if defined(__AVX512F__)
       if (head_dim % 16 == 0) {
         for (int64_t t = 0; t < len; ++t) {
@@ -101,6 +214,10 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           scores[g * len + t] = dot * scale;
         }
       }
+#if defined(__AVX512F__)
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
+      if (false)
+#endif
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
         float mx = sg[0];  // len >= 1; no infinities under -ffast-math
