@@ -30,6 +30,8 @@ clamp), so the runtime computes what transformers' decompressing forward compute
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -284,11 +286,11 @@ class Int4PackLinear(QuantLinear):
         super().__init__(w, bias, dtype)
         self.compute_dtype = compute_dtype or INT4_COMPUTE_DTYPE
         q, scale, zero = w.q, w.scale.float(), w.zero
-        self.perm = None
+        perm = None
         if w.g_idx is not None:  # activation order: sort columns by group so groups are contiguous
             perm = torch.argsort(w.g_idx.long(), stable=True)
             q = q[:, perm]
-            self.register_buffer("perm", perm, persistent=False)
+        self.register_buffer("perm", perm, persistent=False)
         self.group_size = w.group_size
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             (q.to(torch.int32) + 8).contiguous(), 1), persistent=False)
@@ -437,11 +439,29 @@ def register_backend(backend: LinearBackend, first: bool = True) -> None:
     BACKENDS.insert(0 if first else len(BACKENDS) - 1, backend)
 
 
+_DISABLED: set[str] = set()
+
+
+@contextlib.contextmanager
+def disabled_backends(*names: str):
+    """Within the block, models load without these backends (e.g. ``disabled_backends("cpu-int4")``
+    to run int4 layers through ``dequant``). ``INFER_LINEAR_BACKENDS_DISABLE=a,b`` does the same
+    for a whole process."""
+    added = set(names) - _DISABLED
+    _DISABLED.update(added)
+    try:
+        yield
+    finally:
+        _DISABLED.difference_update(added)
+
+
 def make_linear(w: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                 device: torch.device | str = "cpu", disable: tuple[str, ...] = ()) -> nn.Module:
     """The first registered backend that supports ``w`` on ``device`` builds its module."""
+    off = set(disable) | _DISABLED | {n for n in os.environ.get("INFER_LINEAR_BACKENDS_DISABLE", "").split(",") if n}
+    off.discard("dequant")  # the fallback that always works
     for b in BACKENDS:
-        if b.name not in disable and b.supports(w, torch.device(device)):
+        if b.name not in off and b.supports(w, torch.device(device)):
             return b.build(w, bias, dtype)
     raise ValueError(f"no linear backend supports {_describe(w)} on {device}")  # pragma: no cover
 
@@ -487,4 +507,4 @@ def quantized_modules(model: nn.Module) -> dict[str, str]:
     return {n: m.backend for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-__all__ += ["take_quantized", "quantized_modules"]
+__all__ += ["take_quantized", "quantized_modules", "disabled_backends"]
