@@ -58,7 +58,7 @@ def _settings(args, manifest: dict):
         if v is not None:
             setattr(s, name, v)
     if args.seq_len is not None and args.stride is None:
-        s.stride = min(s.stride, s.seq_len)
+        s.stride = s.seq_len  # a window length alone means non-overlapping windows
     if args.tasks is not None:
         s.tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     return s, recipe_eval.get("gates") or {}

@@ -156,8 +156,8 @@ def test_local_tasks_run_offline(adapter, monkeypatch):
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(socket, "create_connection", no_network)
-    res = run_tasks(adapter, ["infer_lastword", "infer_mc"], limit=4)
+    res = run_tasks(adapter, ["infer_lastword", "infer_mc"], limit=2)
     assert set(res) == {"infer_lastword", "infer_mc"}
-    assert 0.0 <= res["infer_mc"]["acc"] <= 1.0 and res["infer_mc"]["sample_len"] == 4
+    assert 0.0 <= res["infer_mc"]["acc"] <= 1.0 and res["infer_mc"]["sample_len"] == 2
     assert res["infer_lastword"]["perplexity"] > 1.0 and 0.0 <= res["infer_lastword"]["acc"] <= 1.0
     json.dumps(res)  # plain data, as eval.json stores it
