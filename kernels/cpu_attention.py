@@ -8,6 +8,7 @@ compiler is available the engine falls back to gather + SDPA, and says so.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -24,8 +25,15 @@ def load() -> object | None:
     """The compiled extension module, or None (with a warning) when it cannot be built."""
     if os.environ.get("INFER_DISABLE_CPP_KERNELS") == "1":
         return None
+    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as load_extension
 
+    # a build that failed once for this source is not retried by every process (each try costs a minute)
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    failed = Path(_get_build_directory("infer_paged_attention", verbose=False)) / f"failed-{digest}"
+    if failed.exists():
+        log.warning("CPU paged-attention kernel failed to build before (%s); using gather + SDPA", failed)
+        return None
     try:
         return load_extension(
             name="infer_paged_attention",
@@ -35,6 +43,7 @@ def load() -> object | None:
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly
+        failed.write_text(str(e))
         log.warning("CPU paged-attention kernel unavailable (%s); using gather + SDPA", str(e).splitlines()[0][:200])
         return None
 
