@@ -257,6 +257,12 @@ def variant_label(doc: dict) -> str:
     return f"{q.get('method')} w{q.get('bits')} g{q.get('group_size')}{'' if q.get('symmetric', True) else ' asym'}"
 
 
+def _verdict(doc: dict) -> str:
+    if not any(g.get("passed") is not None for g in doc.get("gates", [])):
+        return "no gates set"
+    return "PASS" if doc.get("passed") else "FAIL"
+
+
 def write_comparison(out_dir: str | Path, docs: list[dict]) -> list[Path]:
     """One report over every variant of a sweep: a table and one panel per metric."""
     out = Path(out_dir)
@@ -285,7 +291,7 @@ def write_comparison(out_dir: str | Path, docs: list[dict]) -> list[Path]:
                      _num(_get(ev, ("baseline_perplexity", "ppl"))), _num(_get(ev, ("comparison", "ppl_increase_pct"))),
                      _num(_get(ev, ("comparison", "mean_kld"))), _num(_get(ev, ("comparison", "top1_agreement"))),
                      _num(_get(ev, ("comparison", "greedy_agreement"))),
-                     "PASS" if d.get("passed") else "FAIL" if d.get("passed") is False else "-"])
+                     _verdict(d)])
     md = ["# Sweep comparison", "", _md_table(head, rows), "", f"![comparison]({PLOTS}/comparison.png)", ""]
     (out / "comparison.md").write_text("\n".join(md), encoding="utf-8")
     (out / "comparison.html").write_text(
