@@ -132,6 +132,10 @@ def validate(cfg: DictConfig | dict) -> BuildConfig:
     """Typed, checked recipe; raises RecipeError naming the first bad key."""
     raw = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(cfg)
     raw = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "hydra"]) if "hydra" in raw else raw
+    try:  # resolve ${...} on the plain strings, so ${model.dtype} reads float32, not DType.float32
+        raw = OmegaConf.create(OmegaConf.to_container(raw, resolve=True))
+    except Exception:  # noqa: BLE001 - e.g. ${hydra:...} outside a Hydra run: left for later
+        pass
     try:
         merged = OmegaConf.merge(OmegaConf.structured(BuildConfig), raw)
     except ConfigKeyError as e:
