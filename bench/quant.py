@@ -130,7 +130,8 @@ def main(argv=None) -> dict:
                 print(f"[{name}] building ...", file=sys.stderr, flush=True)
                 built = build(overrides, out, cache)
                 figures.write_text(json.dumps(built))
-            row = {"scheme": name, "label": SCHEMES.get(name, name), **built}
+            built = dict(built)
+            row = {"scheme": name, "label": built.pop("label", SCHEMES.get(name, name)), **built}
             print(f"[{name}] perplexity ...", file=sys.stderr, flush=True)
             row["perplexity"] = round(perplexity(out, args.eval_windows, args.eval_seq_len), 3)
             for b in (1, 16):
@@ -162,7 +163,8 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         q = "-" if r["quantize_s"] is None else f"{r['quantize_s']:.0f}"
-        lines.append(f"| {r['label']} | {q} | {r['peak_rss_gb']} | {r['artifact_mb']} | {r['perplexity']:.2f} "
+        rss = "-" if r["peak_rss_gb"] is None else r["peak_rss_gb"]
+        lines.append(f"| {r['label']} | {q} | {rss} | {r['artifact_mb']} | {r['perplexity']:.2f} "
                      f"({r['ppl_vs_fp32_pct']:+.1f}%) | {r['decode_tok_s_b1']:.1f} ({r['decode_b1_vs_fp32']:.2f}x) "
                      f"| {r['decode_tok_s_b16']:.1f} ({r['decode_b16_vs_fp32']:.2f}x) |")
     return "\n".join(lines)
