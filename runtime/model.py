@@ -131,9 +131,10 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, ctx) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        # rotate q and k together: one set of elementwise ops instead of two
+        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         out = ctx.attend(self.layer_idx, q, k, v.view(-1, self.num_kv_heads, self.head_dim))
         return self.o_proj(out.reshape(-1, self.q_size))
 

@@ -51,7 +51,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows are non-greedy)."""
     temp = _column(seqs, "temperature", 1.0)
-    logits = logits / temp[:, None]
+    if (temp != 1.0).any():
+        logits = logits / temp[:, None]
     top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs])
     top_p = _column(seqs, "top_p", 1.0)
     min_p = _column(seqs, "min_p", 0.0)
