@@ -51,8 +51,13 @@ def main(argv=None) -> dict:
     p.add_argument("--prefix-tokens", type=int, default=400)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     p.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = p.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     artifact = args.artifact or default_artifact(args.dtype)
     from infer.runtime.model import ModelConfig
 

@@ -39,7 +39,9 @@ class Tokenizer:
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             ids.append(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(set(ids)))
-        self.chat_template: str | None = cfg.get("chat_template")
+        template_file = path / "chat_template.jinja"  # where transformers 5 saves it
+        self.chat_template: str | None = (template_file.read_text() if template_file.is_file()
+                                          else cfg.get("chat_template"))
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -42,3 +42,21 @@ def test_infer_run_max_tokens_and_raw(embedded_artifact, embedded_llm):
     n = len(embedded_llm.tokenizer.encode(run.stdout.rstrip("\n")))
     assert 1 <= n <= 3
     assert "Paris" in run.stdout  # raw continuation, no chat template
+
+
+def test_chat_template_from_chat_template_jinja(embedded_artifact, tmp_path):
+    """transformers 5 (and so llm-compressor's output) saves the template beside tokenizer_config.json."""
+    import json
+    import shutil
+
+    from infer.runtime.tokenizer import Tokenizer
+
+    for name in ("tokenizer.json", "config.json", "generation_config.json"):
+        shutil.copyfile(embedded_artifact / name, tmp_path / name)
+    cfg = json.loads((embedded_artifact / "tokenizer_config.json").read_text())
+    (tmp_path / "chat_template.jinja").write_text(cfg.pop("chat_template"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    expected = Tokenizer(embedded_artifact).apply_chat_template(messages)
+    assert Tokenizer(tmp_path).apply_chat_template(messages) == expected
+    assert expected.endswith("<|im_start|>assistant\n")
