@@ -96,8 +96,6 @@ def main(argv=None) -> dict:
     p.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     args = p.parse_args(argv)
     if args.threads:
-        import torch
-
         torch.set_num_threads(args.threads)
 
     artifact = args.artifact or default_artifact(args.dtype)
