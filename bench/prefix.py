@@ -11,13 +11,12 @@ question; off, it recomputes the whole prompt.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
 from pathlib import Path
 
-from .throughput import RESULTS, default_artifact
+from .throughput import RESULTS, default_artifact, save_json
 
 
 def make_prompts(n: int, prefix_tokens: int, vocab: int, seed: int):
@@ -70,9 +69,7 @@ def main(argv=None) -> dict:
           f"(hit {on['prefix_hits']}/{on['prefix_queries']} prompt tokens)")
     print(f"TTFT, prefix caching off: mean {off['mean_s'] * 1e3:.1f} ms, median {off['median_s'] * 1e3:.1f} ms")
     print(f"speedup                 : {result['speedup']:.1f}x")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {args.json}")
+    save_json(result, args.json)
     return result
 
 

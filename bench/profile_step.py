@@ -9,13 +9,12 @@ pure-decode steps with torch.profiler and splits the wall time into buckets.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from .throughput import RESULTS, default_artifact, make_requests
+from .throughput import RESULTS, default_artifact, make_requests, save_json
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
           "aten::_int_mm"}
@@ -85,8 +84,7 @@ def main(argv=None) -> dict:
         print(f"  {name:<22} {seconds * 1e3:7.1f} ms  {100 * seconds / wall:5.1f}%")
     result = {"benchmark": "decode_step_profile", "batch": args.batch, "dtype": args.dtype, "step_s": wall,
               "tokens_per_s": args.batch / wall, "buckets_s": buckets}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    save_json(result, args.json)
     return result
 
 

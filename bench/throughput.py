@@ -22,6 +22,13 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def save_json(result: dict, path: Path) -> None:
+    """Every benchmark leaves its figures as JSON (bench/results/ by default)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"saved {path}")
+
+
 def make_requests(n: int, vocab: int, seed: int, prompt_range=(64, 512), output_range=(32, 256)):
     rng = random.Random(seed)
     reqs = []
@@ -116,9 +123,7 @@ def main(argv=None) -> dict:
         result["transformers"] = hf
         result["speedup"] = engine["tokens_per_s"] / hf["tokens_per_s"]
         print(f"speedup      : {result['speedup']:.2f}x")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {args.json}")
+    save_json(result, args.json)
     return result
 
 
