@@ -216,8 +216,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       }
 #if defined(__AVX512F__)
       for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
-      if (false)
-#endif
+#else
       for (int64_t g = 0; g < group; ++g) {
         float* sg = scores.data() + g * len;
         float mx = sg[0];  // len >= 1; no infinities under -ffast-math
@@ -230,6 +229,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
       }
+#endif
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if (head_dim % 16 == 0) {
