@@ -2,9 +2,10 @@
 
 The step's new K/V are written into their slots first; then each query attends to its
 sequence's whole context gathered through its block table. Decodes (one query each) are done
-together in one call; prompt chunks one sequence at a time, with a causal mask offset by the
-tokens already cached. A backend is anything with ``attend(layer, q, k, v)``: a Triton/GPU
-backend implements the same call.
+together in one call; so are prompt chunks that follow cached tokens (a burst of requests
+reusing one cached system prompt), padded to a common shape with a causal mask offset by the
+tokens already cached; a chunk that starts a sequence attends within itself. A backend is
+anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class PagedAttention:
         if len(decode_rows) and decode_kernel is None:
             span = torch.arange(decode_blocks.shape[1] * block_size)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
+        self.fresh = [c for c in prefills if c.context == c.length]
+        self.after_cache = _PaddedChunks([c for c in prefills if c.context > c.length], block_size)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
@@ -46,14 +49,11 @@ class PagedAttention:
         v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
         group = q.shape[1] // kvh
-        for c in self.prefills:
-            qc = q[c.start:c.start + c.length]
-            if c.context == c.length:  # nothing cached before: attend within the chunk
-                kc, vc = k[c.start:c.start + c.length], v[c.start:c.start + c.length]
-            else:
-                kc = k_cache.index_select(0, c.blocks).view(-1, kvh, d)[:c.context]
-                vc = v_cache.index_select(0, c.blocks).view(-1, kvh, d)[:c.context]
-            out[c.start:c.start + c.length] = _causal_chunk(qc, kc, vc, group)
+        for c in self.fresh:  # nothing cached before: attend within the chunk
+            rows = slice(c.start, c.start + c.length)
+            out[rows] = _causal_chunk(q[rows], k[rows], v[rows], group)
+        if self.after_cache.count:
+            self.after_cache.attend(q, k_cache, v_cache, out)
         if len(self.decode_rows):
             nd = len(self.decode_rows)
             if self.decode_kernel is not None:
@@ -71,12 +71,43 @@ class PagedAttention:
 
 
 def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
-    """q: [n, heads, d] for the last n positions of a context of len(k): causal attention."""
-    n, ctx = q.shape[0], k.shape[0]
+    """Causal attention within one chunk: q, k, v [n, heads, d] -> [n, heads, d]."""
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if n == ctx:
-        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=group > 1)
-    else:
-        mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=group > 1)
+    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=group > 1)
     return o[0].transpose(0, 1)
+
+
+class _PaddedChunks:
+    """Prompt chunks that follow cached tokens, padded to one [chunks, heads, rows, keys] SDPA call.
+
+    Masks and indices are built once per step; each layer then gathers K/V by block table and
+    makes one call, instead of one small call per chunk (small SDPA calls are mostly overhead)."""
+
+    def __init__(self, chunks: list[PrefillChunk], block_size: int):
+        self.count = len(chunks)
+        if not chunks:
+            return
+        width = max(len(c.blocks) for c in chunks)
+        n = max(c.length for c in chunks)
+        self.width, self.n, self.block_size = width, n, block_size
+        self.tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])  # pad: block 0
+        i = torch.arange(n)
+        starts = torch.tensor([c.start for c in chunks])
+        lengths = torch.tensor([c.length for c in chunks])
+        cached = torch.tensor([c.context - c.length for c in chunks])
+        valid = i[None, :] < lengths[:, None]  # [C, n]: real query rows
+        self.rows = torch.where(valid, starts[:, None] + i[None, :], 0).flatten()  # padding rows read row 0
+        self.valid = valid.flatten().nonzero().flatten()
+        self.out_rows = self.rows[self.valid]
+        keys = torch.arange(width * block_size)
+        # query i of a chunk sees keys up to cached + i; padding rows see key 0 only (no empty softmax)
+        self.mask = (keys[None, None, :] <= (cached[:, None] + i[None, :]).masked_fill(~valid, 0)[:, :, None])[:, None]
+
+    def attend(self, q, k_cache, v_cache, out) -> None:
+        c, n, heads, d = self.count, self.n, q.shape[1], q.shape[2]
+        kvh = k_cache.shape[2]
+        kc = k_cache.index_select(0, self.tables.flatten()).view(c, -1, kvh, d).transpose(1, 2)
+        vc = v_cache.index_select(0, self.tables.flatten()).view(c, -1, kvh, d).transpose(1, 2)
+        qc = q.index_select(0, self.rows).view(c, n, heads, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=self.mask, enable_gqa=heads != kvh)
+        out.index_copy_(0, self.out_rows, o.transpose(1, 2).reshape(c * n, heads, d).index_select(0, self.valid))

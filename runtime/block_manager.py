@@ -4,6 +4,8 @@ A full block is identified by the hash of its tokens chained with the previous b
 (seeded with the model's identity), so equal prefixes map to equal hashes. A freed block keeps
 its hash and contents and joins the back of the free list; taking a block from the front of
 the list evicts the least recently freed one. A new sequence reuses every cached leading block.
+Prompt blocks still being computed are known by hash too ("in flight"), so a request that
+arrives with the same prefix can wait a step for them instead of computing them again.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
         self.cached: dict[int, int] = {}  # block hash -> block id
+        self.in_flight: dict[int, int] = {}  # hash of a prompt block being computed -> the computing seq_id
         self.root_hash = hash(("infer-prefix", model_id))
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found
@@ -86,6 +89,37 @@ class BlockManager:
         self.prefix_hits += hit
         return hit
 
+    def prefix_in_flight(self, seq: Sequence) -> bool:
+        """Whether the first prompt block this sequence would have to compute is being computed now.
+
+        Walks the hash chain over cached blocks; true when the first uncached one is in flight."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return False
+        h = self.root_hash
+        for i in range((len(seq) - 1) // self.block_size):
+            tokens = seq.block_tokens(i, self.block_size)
+            h = self._chain(h, tokens)
+            block_id = self.cached.get(h)
+            if block_id is not None and self.blocks[block_id].token_ids == tuple(tokens):
+                continue
+            return self.in_flight.get(h, seq.seq_id) != seq.seq_id
+        return False
+
+    def mark_in_flight(self, seq: Sequence) -> None:
+        """Notes the full prompt blocks a newly scheduled sequence is about to compute."""
+        if not self.enable_prefix_caching or seq.in_flight_hashes:
+            return
+        h = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else self.root_hash
+        for i in range(seq.num_hashed_blocks, seq.num_prompt_tokens // self.block_size):
+            h = self._chain(h, seq.block_tokens(i, self.block_size))
+            if self.in_flight.setdefault(h, seq.seq_id) == seq.seq_id:
+                seq.in_flight_hashes.append(h)
+
+    def _land(self, seq: Sequence, hashes) -> None:
+        for h in hashes:
+            if self.in_flight.get(h) == seq.seq_id:
+                del self.in_flight[h]
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publishes blocks whose K/V are now complete so later requests can reuse them."""
         if not self.enable_prefix_caching:
@@ -100,6 +134,8 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tuple(tokens)
             self.cached.setdefault(h, block.block_id)
+            if self.in_flight.get(h) == seq.seq_id:
+                del self.in_flight[h]
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     # ------------------------------------------------------------------ allocation
@@ -150,3 +186,5 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
+        self._land(seq, seq.in_flight_hashes)  # computed or abandoned: nobody waits on them any more
+        seq.in_flight_hashes = []

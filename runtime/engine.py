@@ -37,7 +37,8 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    attention_backend: str = "auto"  # auto | cpp (compiled CPU kernel) | torch (gather + SDPA)
+    # auto | cpp (compiled CPU kernels) | torch (plain torch ops: gather + SDPA, unfused norm/rotary)
+    attention_backend: str = "auto"
 
 
 @dataclass
@@ -108,7 +109,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.artifact.path)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
-        self.model = load_model(self.artifact.path, _DTYPES.get(cfg.dtype) if cfg.dtype else None)
+        self.model = load_model(self.artifact.path, _DTYPES.get(cfg.dtype) if cfg.dtype else None,
+                                fused_ops=cfg.attention_backend != "torch")
         mcfg = self.model.config
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)

@@ -82,20 +82,30 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given the residual stream too, adds into it first (the pre-norm block's step)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.ops = None  # kernels.layer_ops' module when it builds: one fused pass instead of ~8 ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, residual stream): with ``residual``, the stream becomes x + residual."""
+        if self.ops is not None:
+            if residual is None:
+                return self.ops.rms_norm(x, self.weight, self.eps), x
+            self.ops.add_rms_norm_(x, residual, self.weight, self.eps)  # x and residual are this step's own
+            return x, residual
+        residual = x if residual is None else x + residual
         # normalise in float32, as the reference implementation does, then scale in the model dtype
-        xf = x.float()
+        xf = residual.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * xf.to(x.dtype), residual
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, looked up by absolute position per token."""
+    """Rotates q and k in place by their absolute positions (cos/sin tables for every position)."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int):
         super().__init__()
@@ -104,19 +114,25 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self.ops = None
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """What one forward pass needs to rotate: per-token cos/sin for the torch path."""
+        if self.ops is not None:
+            return positions
         cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+    def rotate_(self, x: torch.Tensor, heads: int, head_dim: int, tables) -> None:
+        """Rotates the first ``heads`` heads of each row of x ([T, >= heads * head_dim]) in place."""
+        if self.ops is not None:
+            self.ops.rotary_(x, tables, self.cos, self.sin, heads, head_dim)
+            return
+        cos, sin = tables
+        xh = x[:, :heads * head_dim].view(-1, heads, head_dim)
+        half = head_dim // 2
+        rotated = torch.cat((-xh[..., half:], xh[..., :half]), dim=-1)
+        xh.copy_(xh * cos + rotated * sin)
 
 
 class Attention(nn.Module):
@@ -129,13 +145,14 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, ctx) -> torch.Tensor:
+    def forward(self, x, rotary: RotaryEmbedding, rope, ctx) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        # rotate q and k together: one set of elementwise ops instead of two
-        qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = apply_rotary(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        out = ctx.attend(self.layer_idx, q, k, v.view(-1, self.num_kv_heads, self.head_dim))
+        # rotate q and k together, in place: one pass instead of two
+        rotary.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        d = self.head_dim
+        out = ctx.attend(self.layer_idx, q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d),
+                         v.view(-1, self.num_kv_heads, d))
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -159,9 +176,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rotary, rope, ctx):
+        """x: the previous block's output (or the embeddings, with residual None); returns the same pair."""
+        x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, rotary, rope, ctx), residual)
+        return self.mlp(x), residual
 
 
 class Transformer(nn.Module):
@@ -180,11 +199,17 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden] (normed)."""
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.rotary, rope, ctx)
+        return self.norm(x, residual)[0]
+
+    def use_fused_ops(self, ops) -> None:
+        """Runs RMSNorm and rotary through kernels.layer_ops' module (None: plain torch ops)."""
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding)):
+                m.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -268,8 +293,11 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
     return out
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None) -> Transformer:
-    """Builds the model from an HF-format directory (config.json + safetensors)."""
+def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bool = True) -> Transformer:
+    """Builds the model from an HF-format directory (config.json + safetensors).
+
+    ``fused_ops``: RMSNorm and rotary through the C++ kernels of kernels/layer_ops when they build
+    (same values, fewer passes); False keeps every step in plain torch ops."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     hf = read_state_dict(path)
@@ -302,6 +330,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None) -> Transforme
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
+    if fused_ops and dtype in (torch.float32, torch.bfloat16, torch.float16):  # the kernels' dtypes
+        from infer.kernels import layer_ops
+
+        model.use_fused_ops(layer_ops.load())
     return model.eval().requires_grad_(False)
 
 

@@ -2,7 +2,10 @@
 
 Every step, running sequences go first, oldest first (a decode costs one token of the budget;
 an unfinished prompt takes what is left), then waiting ones join in arrival order while the
-token budget, the sequence cap and free blocks allow. A long prompt is cut into chunks that
+token budget, the sequence cap and free blocks allow; one whose prompt starts with blocks
+another prompt is computing right now waits for them to land in the prefix cache rather than
+compute them twice (a burst of requests sharing a system prompt prefills it once). A long prompt
+is cut into chunks that
 share steps with running decodes instead of stalling them. When blocks run out, the newest
 running sequence is preempted: its blocks are freed and it is recomputed later, losing nothing.
 """
@@ -94,9 +97,13 @@ class Scheduler:
             i += 1
 
         # then waiting sequences, in arrival order (preempted ones were put back at the front)
+        deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
             if not seq.block_table:
+                if self.bm.prefix_in_flight(seq):
+                    deferred.append(self.waiting.popleft())  # its prefix lands in the cache within steps
+                    continue
                 self.bm.match_prefix(seq)
             n = seq.num_uncomputed_tokens
             if n > budget:
@@ -114,9 +121,11 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.bm.allocate(seq, n)
+            self.bm.mark_in_flight(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # keep their place in line
         return ScheduledBatch(seqs, counts, preempted)

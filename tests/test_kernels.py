@@ -76,3 +76,39 @@ def test_paged_attention_context_mixes_prefill_and_decode(kernel):
                                            vb.transpose(0, 1)[None], attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
     assert torch.allclose(out[:1], exp_a, atol=tol) and torch.allclose(out[1:], exp_b, atol=tol)
     assert torch.equal(cache[0, 0, table_b[1], 1], k[1])  # position 5 of B landed in its slot
+
+
+def test_chunks_after_cached_tokens_batch_into_one_padded_call():
+    """Several prompt chunks over cached prefixes of different lengths, plus a fresh prompt, in one step."""
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    bs, kvh, heads, d, num_blocks = 4, 2, 6, 8, 64
+    cache = torch.zeros(1, 2, num_blocks, bs, kvh, d, dtype=torch.float64)
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    seqs = []  # (cached tokens, new tokens); the last has nothing cached
+    for cached, new in ((9, 3), (2, 7), (13, 1 + int(torch.randint(0, 5, (1,), generator=gen))), (0, 5)):
+        table = [free.pop() for _ in range(-(-(cached + new) // bs))]
+        hist = torch.randn(2, cached, kvh, d, generator=gen, dtype=torch.float64)
+        for p in range(cached):
+            cache[0, :, table[p // bs], p % bs] = hist[:, p]
+        seqs.append((cached, new, table, hist))
+    total = sum(new for _, new, _, _ in seqs)
+    q = torch.randn(total, heads, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(total, kvh, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    chunks, slots, row = [], [], 0
+    for cached, new, table, _ in seqs:
+        chunks.append(PrefillChunk(row, new, cached + new, torch.tensor(table)))
+        slots += [table[p // bs] * bs + p % bs for p in range(cached, cached + new)]
+        row += new
+    ctx = PagedAttention(cache, bs, torch.tensor(slots), chunks, torch.zeros(0, dtype=torch.long),
+                         torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    out = ctx.attend(0, q, k, v)
+    row = 0
+    for cached, new, _, hist in seqs:  # reference: explicit causal softmax over each whole history
+        rows = slice(row, row + new)
+        keys = torch.cat([hist[0], k[rows]]).repeat_interleave(heads // kvh, dim=1)  # [ctx, heads, d]
+        vals = torch.cat([hist[1], v[rows]]).repeat_interleave(heads // kvh, dim=1)
+        scores = torch.einsum("nhd,thd->hnt", q[rows], keys) / d ** 0.5
+        visible = torch.arange(cached + new)[None, :] <= torch.arange(cached, cached + new)[:, None]
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        assert torch.allclose(out[rows], torch.einsum("hnt,thd->nhd", probs, vals), atol=1e-10)
+        row += new

@@ -76,3 +76,38 @@ def test_preemption_frees_newest_and_recomputes_later():
     assert preempted and preempted[0] is b  # the newest yields
     assert a.num_output_tokens == 12 and b.num_output_tokens == 12 and b.num_preemptions >= 1
     assert sched.bm.num_free_blocks == 6
+
+
+def test_burst_sharing_a_prefix_computes_it_once():
+    """Requests arriving together with one system prompt: the first computes it, the rest wait a step and reuse it."""
+    rng = random.Random(1)
+    sched = Scheduler(BlockManager(128, 8), max_num_seqs=16, max_num_batched_tokens=64)
+    prefix = [rng.randrange(2, 100) for _ in range(40)]  # five full blocks
+    seqs = [Sequence(f"r{i}", prefix + [rng.randrange(2, 100) for _ in range(rng.randint(3, 9))],
+                     SamplingParams(max_tokens=2)) for i in range(8)]
+    for s in seqs:
+        sched.add(s)
+    computed = 0
+    while sched.has_unfinished():
+        batch = run_step(sched)
+        computed += sum(n for n in batch.num_tokens if n > 1)  # prompt chunks (every suffix is 3+ tokens); not decodes
+    assert all(s.status == Status.FINISHED for s in seqs)
+    assert [s.num_cached_tokens for s in seqs] == [0] + [40] * 7
+    assert computed == seqs[0].num_prompt_tokens + sum(s.num_prompt_tokens - 40 for s in seqs[1:])
+    assert sched.bm.in_flight == {} and sched.bm.num_free_blocks == 128
+
+
+def test_waiters_go_ahead_when_the_prefix_computation_is_aborted():
+    sched = Scheduler(BlockManager(64, 8), max_num_seqs=4, max_num_batched_tokens=16)
+    prefix = list(range(2, 42))
+    first, second = (Sequence(f"r{i}", prefix + [50 + i], SamplingParams(max_tokens=1)) for i in range(2))
+    sched.add(first)
+    sched.add(second)
+    batch = run_step(sched)  # the first takes the whole budget on a chunk of its prompt
+    assert batch.seqs == [first] and sched.bm.in_flight
+    batch = run_step(sched)
+    assert second not in batch.seqs  # waits: its prefix is being computed
+    sched.abort(first)
+    assert sched.bm.in_flight == {}
+    batch = run_step(sched)
+    assert batch.seqs == [second]  # no longer anything to wait for: computes it itself

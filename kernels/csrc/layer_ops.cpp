@@ -1,0 +1,180 @@
+// The small elementwise steps of a decoder layer, fused, on the CPU: RMSNorm with the residual add
+// folded in, and the rotary embedding applied in place to q and k.
+//
+// Unfused, each is five to ten torch ops per layer, each a pass over memory plus dispatch
+// overhead; for a short prompt chunk or a decode batch that overhead rivals the matmuls. Every
+// step rounds to the storage dtype exactly where the unfused torch ops (and transformers) round,
+// so float32 results are unchanged and 16-bit ones round alike. Built without -ffast-math and
+// with -ffp-contract=off for that reason (see kernels/cpu_ops.py).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+// float32 -> storage dtype, rounding to nearest even as torch does.
+template <typename T>
+inline T from_float(float f);
+template <>
+inline float from_float<float>(float f) { return f; }
+template <>
+inline at::BFloat16 from_float<at::BFloat16>(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // finite inputs only: activations here are never NaN
+  at::BFloat16 out;
+  out.x = static_cast<uint16_t>(bits >> 16);
+  return out;
+}
+template <>
+inline at::Half from_float<at::Half>(float f) { return static_cast<at::Half>(f); }
+
+// What a float32 value becomes after a torch op writes it in dtype T.
+template <typename T>
+inline float round_to(float f) { return to_float(from_float<T>(f)); }
+
+// Rows per task: small inputs (a decode step) stay on one thread.
+inline int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(row_len, 1)); }
+
+// out = weight * (x / rms(x)), the normalised value rounded to T before the scale, as in
+// transformers' LlamaRMSNorm. When `residual` is given, x + residual is first written to
+// residual and normalised instead (the pre-norm block's residual stream).
+template <typename T>
+void rms_norm_rows(const T* x, int64_t x_stride, T* residual, const T* weight, T* out, int64_t rows, int64_t h,
+                   float eps) {
+  at::parallel_for(0, rows, grain(h), [&](int64_t begin, int64_t end) {
+    std::vector<float> v(h);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * x_stride;
+      if (residual != nullptr) {
+        T* __restrict rr = residual + r * h;
+        float* __restrict vv = v.data();
+        for (int64_t i = 0; i < h; ++i) vv[i] = round_to<T>(to_float(xr[i]) + to_float(rr[i]));
+        for (int64_t i = 0; i < h; ++i) rr[i] = from_float<T>(vv[i]);
+      } else {
+        for (int64_t i = 0; i < h; ++i) v[i] = to_float(xr[i]);
+      }
+      float lanes[16] = {0.f};
+      int64_t i = 0;
+      for (; i + 16 <= h; i += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] += v[i + l] * v[i + l];
+      float ss = 0.f;
+      for (; i < h; ++i) ss += v[i] * v[i];
+      for (int l = 0; l < 16; ++l) ss += lanes[l];
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+      T* o = out + r * h;
+      for (int64_t j = 0; j < h; ++j) o[j] = from_float<T>(to_float(weight[j]) * round_to<T>(v[j] * inv));
+    }
+  });
+}
+
+// Rotates the first `heads` heads of each row in place: x*cos + rotate_half(x)*sin, with cos and
+// sin (float32 tables indexed by position) rounded to T first and each product rounded, as
+// transformers' apply_rotary_pos_emb computes it in T.
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float* cos, const float* sin,
+                 int64_t rows, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos + positions[r] * head_dim;
+      const float* s = sin + positions[r] * head_dim;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* xh = x + r * row_stride + hd * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
+          const float a = round_to<T>(x1 * round_to<T>(c[i])) + round_to<T>(-x2 * round_to<T>(s[i]));
+          const float b = round_to<T>(x2 * round_to<T>(c[i + half])) + round_to<T>(x1 * round_to<T>(s[i + half]));
+          xh[i] = from_float<T>(a);
+          xh[i + half] = from_float<T>(b);
+        }
+      }
+    }
+  });
+}
+
+template <typename F>
+void dispatch(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(at::BFloat16{}); break;
+    case at::kHalf: f(at::Half{}); break;
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only");
+  }
+}
+
+void check_rows(const torch::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, op, ": expects a [rows, features] tensor with contiguous rows");
+}
+
+}  // namespace
+
+// RMSNorm of the rows of x ([T, H], rows may be strided). Returns a new [T, H] tensor.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "rms_norm: weight must be a contiguous [H] tensor of x's dtype");
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(x.data_ptr<T>(), x.stride(0), nullptr, weight.data_ptr<T>(), out.data_ptr<T>(), x.size(0),
+                     x.size(1), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// residual += x; x = RMSNorm(residual). Both [T, H] contiguous, updated in place.
+void add_rms_norm_(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes() && x.dim() == 2,
+              "add_rms_norm_: x and residual must be contiguous [T, H] tensors of one shape");
+  TORCH_CHECK(x.scalar_type() == residual.scalar_type() && weight.scalar_type() == x.scalar_type() &&
+                  weight.is_contiguous() && weight.numel() == x.size(1),
+              "add_rms_norm_: x, residual and weight must share a dtype; weight is [H]");
+  dispatch(x.scalar_type(), "add_rms_norm_", [&](auto tag) {
+    using T = decltype(tag);
+    rms_norm_rows<T>(x.data_ptr<T>(), x.size(1), residual.data_ptr<T>(), weight.data_ptr<T>(), x.data_ptr<T>(),
+                     x.size(0), x.size(1), static_cast<float>(eps));
+  });
+}
+
+// Rotary embedding in place on the first `heads` heads of each row of x ([T, >= heads * head_dim],
+// rows may be strided, e.g. the q and k part of a fused qkv projection). cos, sin: float32
+// [positions, head_dim]; positions: int64 [T].
+void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin, int64_t heads,
+             int64_t head_dim) {
+  check_rows(x, "rotary_");
+  TORCH_CHECK(x.size(1) >= heads * head_dim && head_dim % 2 == 0, "rotary_: rows shorter than heads * head_dim");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "rotary_: positions must be a contiguous int64 [T] tensor");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == head_dim && sin.sizes() == cos.sizes(),
+              "rotary_: cos and sin must be contiguous float32 [positions, head_dim] tables");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t r = 0; r < x.size(0); ++r)
+    TORCH_CHECK(pos[r] >= 0 && pos[r] < cos.size(0), "rotary_: position ", pos[r], " outside the table of ",
+                cos.size(0));
+  dispatch(x.scalar_type(), "rotary_", [&](auto tag) {
+    using T = decltype(tag);
+    rotary_rows<T>(x.data_ptr<T>(), x.stride(0), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
+                   sin.data_ptr<float>(), x.size(0), heads, head_dim);
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "RMSNorm over rows (CPU)");
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU)");
+  m.def("rotary_", &rotary_, "rotary embedding in place on the leading heads of each row (CPU)");
+}

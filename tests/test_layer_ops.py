@@ -1,0 +1,80 @@
+"""The fused RMSNorm / rotary kernels against the model's own torch ops, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import layer_ops
+from infer.runtime.model import RMSNorm, RotaryEmbedding
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = layer_ops.load()
+    assert module is not None  # these machines have a compiler: a missing kernel is a failure
+    return module
+
+
+def pair(cls, *args, ops):
+    torch_version, fused = cls(*args), cls(*args)
+    fused.ops = ops
+    return torch_version, fused
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to the last bit of the dtype (the float32 sum of squares may add up in another order)."""
+    eps = torch.finfo(got.dtype).eps
+    assert torch.allclose(got.float(), want.float(), rtol=2 * eps, atol=1e-6)
+    if got.dtype != torch.float32:  # rounding to 16 bits hides the float32 difference almost always
+        assert (got == want).float().mean().item() > 0.98
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_torch(ops, dtype, rows):
+    hidden = 96
+    ref, fused = pair(RMSNorm, hidden, 1e-5, ops=ops)
+    ref.weight.data = fused.weight.data = torch.rand(hidden) + 0.5
+    ref, fused = ref.to(dtype).requires_grad_(False), fused.to(dtype).requires_grad_(False)
+    x = (torch.randn(rows, hidden) * 3).to(dtype)
+    got, stream = fused(x)
+    want, _ = ref(x)
+    close(got, want)
+    assert stream is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_matches_torch(ops, dtype):
+    hidden, rows = 160, 33
+    ref, fused = pair(RMSNorm, hidden, 1e-6, ops=ops)
+    ref.weight.data = fused.weight.data = torch.rand(hidden) + 0.5
+    ref, fused = ref.to(dtype).requires_grad_(False), fused.to(dtype).requires_grad_(False)
+    x, residual = torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype)
+    want, want_stream = ref(x, residual)
+    got, got_stream = fused(x.clone(), residual.clone())
+    assert torch.equal(got_stream, want_stream)  # the residual add rounds exactly as torch's
+    close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_matches_torch(ops, dtype):
+    heads, kv_heads, head_dim, rows = 6, 2, 32, 21
+    ref, fused = pair(RotaryEmbedding, head_dim, 10000.0, 512, ops=ops)
+    # a fused qkv row: q and k heads rotate, v (the tail) must stay untouched
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    positions = torch.randint(0, 512, (rows,))
+    want, got = qkv.clone(), qkv.clone()
+    ref.rotate_(want, heads + kv_heads, head_dim, ref.tables(positions, dtype))
+    fused.rotate_(got, heads + kv_heads, head_dim, fused.tables(positions, dtype))
+    assert torch.equal(got, want)  # the same products and sums, rounded at the same places
+    assert torch.equal(got[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+    assert not torch.equal(got, qkv)
+
+
+def test_rotary_refuses_a_position_past_the_table(ops):
+    rot = RotaryEmbedding(16, 10000.0, 8)
+    with pytest.raises(RuntimeError, match="position 8 outside the table of 8"):
+        ops.rotary_(torch.zeros(2, 32), torch.tensor([3, 8]), rot.cos, rot.sin, 2, 16)
