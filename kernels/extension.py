@@ -24,7 +24,8 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
     from torch.utils.cpp_extension import load as load_extension
 
     path = CSRC / source
-    digest = hashlib.sha256(path.read_bytes() + " ".join(cflags).encode()).hexdigest()[:16]
+    inputs = [path.read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))), " ".join(cflags).encode()]
+    digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
     failed = Path(_get_build_directory(name, verbose=False)) / f"failed-{digest}"
     if failed.exists():
         log.warning("C++ kernel %s failed to build before (%s); using torch ops", name, failed)

@@ -296,8 +296,9 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
 def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bool = True) -> Transformer:
     """Builds the model from an HF-format directory (config.json + safetensors).
 
-    ``fused_ops``: RMSNorm and rotary through the C++ kernels of kernels/layer_ops when they build
-    (same values, fewer passes); False keeps every step in plain torch ops."""
+    ``fused_ops``: RMSNorm and rotary through the C++ kernels of kernels/layer_ops when they build,
+    and bfloat16 linears with weights prepacked for oneDNN (runtime/packed_linear.py): the same
+    values up to rounding, in less time. False keeps every step in plain torch ops."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     hf = read_state_dict(path)
@@ -333,12 +334,12 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bo
     if fused_ops and dtype in (torch.float32, torch.bfloat16, torch.float16):  # the kernels' dtypes
         from infer.kernels import layer_ops
 
+        from .packed_linear import can_pack, pack_linears
+
         model.use_fused_ops(layer_ops.load())
+        if can_pack(dtype):
+            pack_linears(model)
     return model.eval().requires_grad_(False)
 
 
-def param_count(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-__all__ = ["ModelConfig", "Transformer", "DenseCausalContext", "load_model", "read_state_dict", "param_count"]
+__all__ = ["ModelConfig", "Transformer", "DenseCausalContext", "load_model", "read_state_dict"]

@@ -3,44 +3,22 @@
 //
 // Unfused, each is five to ten torch ops per layer, each a pass over memory plus dispatch
 // overhead; for a short prompt chunk or a decode batch that overhead rivals the matmuls. Every
-// step rounds to the storage dtype exactly where the unfused torch ops (and transformers) round,
-// so float32 results are unchanged and 16-bit ones round alike. Built without -ffast-math and
-// with -ffp-contract=off for that reason (see kernels/cpu_ops.py).
+// step rounds to the storage dtype exactly where the unfused torch ops (and transformers) round:
+// the rotary and the residual add are bit-identical to them, the norm differs only in the order
+// its float32 sum of squares adds up. Built without -ffast-math and with -ffp-contract=off for
+// that reason (kernels/layer_ops.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "float_storage.h"
+
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
-
-// float32 -> storage dtype, rounding to nearest even as torch does.
-template <typename T>
-inline T from_float(float f);
-template <>
-inline float from_float<float>(float f) { return f; }
-template <>
-inline at::BFloat16 from_float<at::BFloat16>(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // finite inputs only: activations here are never NaN
-  at::BFloat16 out;
-  out.x = static_cast<uint16_t>(bits >> 16);
-  return out;
-}
-template <>
-inline at::Half from_float<at::Half>(float f) { return static_cast<at::Half>(f); }
+using infer::from_float;
+using infer::to_float;
 
 // What a float32 value becomes after a torch op writes it in dtype T.
 template <typename T>

@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "float_storage.h"
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -16,14 +18,7 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_float(at::Half x) { return static_cast<float>(x); }
+using infer::to_float;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
