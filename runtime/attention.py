@@ -40,7 +40,7 @@ class PagedAttention:
             span = torch.arange(decode_blocks.shape[1] * block_size)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
         self.fresh = [c for c in prefills if c.context == c.length]
-        self.after_cache = _PaddedChunks([c for c in prefills if c.context > c.length], block_size)
+        self.after_cache = _PaddedChunks([c for c in prefills if c.context > c.length], block_size, kv_cache.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
@@ -83,7 +83,7 @@ class _PaddedChunks:
     Masks and indices are built once per step; each layer then gathers K/V by block table and
     makes one call, instead of one small call per chunk (small SDPA calls are mostly overhead)."""
 
-    def __init__(self, chunks: list[PrefillChunk], block_size: int):
+    def __init__(self, chunks: list[PrefillChunk], block_size: int, dtype: torch.dtype):
         self.count = len(chunks)
         if not chunks:
             return
@@ -100,8 +100,10 @@ class _PaddedChunks:
         self.valid = valid.flatten().nonzero().flatten()
         self.out_rows = self.rows[self.valid]
         keys = torch.arange(width * block_size)
-        # query i of a chunk sees keys up to cached + i; padding rows see key 0 only (no empty softmax)
-        self.mask = (keys[None, None, :] <= (cached[:, None] + i[None, :]).masked_fill(~valid, 0)[:, :, None])[:, None]
+        # query i of a chunk sees keys up to cached + i; padding rows see key 0 only (no empty softmax).
+        # Additive, in the model dtype: SDPA would otherwise convert a boolean mask at every layer.
+        visible = keys[None, None, :] <= (cached[:, None] + i[None, :]).masked_fill(~valid, 0)[:, :, None]
+        self.mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))[:, None]
 
     def attend(self, q, k_cache, v_cache, out) -> None:
         c, n, heads, d = self.count, self.n, q.shape[1], q.shape[2]

@@ -9,7 +9,6 @@
 #include "float_storage.h"
 
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
