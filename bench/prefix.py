@@ -10,7 +10,10 @@ Two arrival patterns, each with caching on and off:
   ~430 tokens.
 - burst: all 32 arrive at once on a cold cache (as when many users of one deployment hit it
   together); TTFT includes queueing. With caching on, the first request computes the system
-  prompt once and the others reuse it.
+  prompt once and the others reuse it. ``--bursts`` bursts per engine, each with its own prompt.
+
+Both engines stay loaded and take turns (request by request, burst by burst), so a machine that
+speeds up or slows down during the run affects both sides alike.
 
     python -m infer.bench.prefix [--artifact DIR] [--requests 32] [--prefix-tokens 400]
 """
@@ -32,47 +35,53 @@ def make_prompts(n: int, prefix_tokens: int, vocab: int, seed: int):
     return [system + [rng.randrange(100, vocab) for _ in range(rng.randint(16, 48))] for _ in range(n + 1)]
 
 
-def _summary(ttfts: list[float], bm) -> dict:
+def _summary(ttfts: list[float], bm, queries: int = 0, hits: int = 0) -> dict:
     return {"mean_s": statistics.mean(ttfts), "median_s": statistics.median(ttfts),
-            "p90_s": sorted(ttfts)[int(0.9 * len(ttfts))], "prefix_queries": bm.prefix_queries,
-            "prefix_hits": bm.prefix_hits}
+            "p90_s": sorted(ttfts)[int(0.9 * len(ttfts))], "prefix_queries": bm.prefix_queries - queries,
+            "prefix_hits": bm.prefix_hits - hits}
 
 
-def sequential_ttft(artifact: Path, prompts, caching: bool, dtype: str) -> dict:
-    from infer.runtime import LLMEngine, SamplingParams
-
-    engine = LLMEngine(artifact, dtype=dtype, enable_prefix_caching=caching, kv_cache_memory=1 << 30)
-    params = SamplingParams(max_tokens=1, temperature=0)
-    ttfts = []
-    for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        engine.add_request(f"r{i}", prompt, params)
-        while engine.has_unfinished_requests():
-            engine.step()
-        if i:  # the first request only warms up (and, with caching on, fills the cache)
-            ttfts.append(time.perf_counter() - start)
-    return _summary(ttfts, engine.block_manager)
-
-
-def burst_ttft(artifact: Path, prompts, warmup, caching: bool, dtype: str) -> dict:
-    from infer.runtime import LLMEngine, SamplingParams
-
-    engine = LLMEngine(artifact, dtype=dtype, enable_prefix_caching=caching, kv_cache_memory=1 << 30)
-    params = SamplingParams(max_tokens=1, temperature=0)
-    engine.add_request("warmup", warmup, params)  # an unrelated prompt: warm code paths, cold cache
+def _finish(engine) -> None:
     while engine.has_unfinished_requests():
         engine.step()
-    queries, hits = engine.block_manager.prefix_queries, engine.block_manager.prefix_hits
-    arrival = time.perf_counter()
+
+
+def sequential_ttft(engines: dict, prompts) -> dict:
+    """Each request runs on the caching-on engine, then on the caching-off one: drift hits both alike."""
+    from infer.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    ttfts = {caching: [] for caching in engines}
+    counters = {}
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-    ttfts = []
-    while engine.has_unfinished_requests():
-        ttfts += [time.perf_counter() - arrival for out in engine.step() if out.finished]
-    result = _summary(ttfts, engine.block_manager)
-    result["prefix_queries"] -= queries
-    result["prefix_hits"] -= hits
-    return result
+        for caching, engine in engines.items():
+            start = time.perf_counter()
+            engine.add_request(f"s{i}", prompt, params)
+            _finish(engine)
+            if i:  # the first request only warms up (and, with caching on, fills the cache)
+                ttfts[caching].append(time.perf_counter() - start)
+            else:
+                counters[caching] = (engine.block_manager.prefix_queries, engine.block_manager.prefix_hits)
+    return {caching: _summary(ttfts[caching], engines[caching].block_manager, *counters[caching])
+            for caching in engines}
+
+
+def burst_ttft(engines: dict, bursts) -> dict:
+    """Bursts alternate between the engines; each burst has its own system prompt, so starts cold."""
+    from infer.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0)
+    ttfts = {caching: [] for caching in engines}
+    counters = {caching: (e.block_manager.prefix_queries, e.block_manager.prefix_hits) for caching, e in engines.items()}
+    for b, prompts in enumerate(bursts):
+        for caching, engine in engines.items():
+            arrival = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"b{b}-{i}", prompt, params)
+            while engine.has_unfinished_requests():
+                ttfts[caching] += [time.perf_counter() - arrival for out in engine.step() if out.finished]
+    return {caching: _summary(ttfts[caching], engines[caching].block_manager, *counters[caching])
+            for caching in engines}
 
 
 def main(argv=None) -> dict:
@@ -82,6 +91,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prefix-tokens", type=int, default=400)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bursts", type=int, default=2, help="bursts per engine, alternating (default 2)")
     p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     p.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = p.parse_args(argv)
@@ -92,17 +102,21 @@ def main(argv=None) -> dict:
     artifact = args.artifact or default_artifact(args.dtype)
     from infer.runtime.model import ModelConfig
 
+    from infer.runtime import LLMEngine, SamplingParams
+
     vocab = ModelConfig.from_dir(artifact).vocab_size
-    prompts = make_prompts(args.requests, args.prefix_tokens, vocab, args.seed)
-    warmup = make_prompts(0, args.prefix_tokens, vocab, args.seed + 1)[0]
+    engines = {caching: LLMEngine(artifact, dtype=args.dtype, enable_prefix_caching=caching, kv_cache_memory=1 << 30)
+               for caching in (True, False)}
+    for engine in engines.values():  # warm the code paths on an unrelated prompt
+        engine.add_request("warmup", make_prompts(0, args.prefix_tokens, vocab, args.seed + 999)[0],
+                           SamplingParams(max_tokens=1))
+        _finish(engine)
     result = {"benchmark": "shared_prefix_ttft", "requests": args.requests, "prefix_tokens": args.prefix_tokens,
-              "dtype": args.dtype, "threads": args.threads}
-    for mode in ("sequential", "burst"):
-        runs = {}
-        for caching in (True, False):
-            runs[caching] = (sequential_ttft(artifact, prompts, caching, args.dtype) if mode == "sequential"
-                             else burst_ttft(artifact, prompts[1:], warmup, caching, args.dtype))
-        on, off = runs[True], runs[False]
+              "dtype": args.dtype, "threads": args.threads, "bursts": args.bursts}
+    runs = {"sequential": sequential_ttft(engines, make_prompts(args.requests, args.prefix_tokens, vocab, args.seed)),
+            "burst": burst_ttft(engines, [make_prompts(args.requests - 1, args.prefix_tokens, vocab, args.seed + 1 + b)
+                                          for b in range(args.bursts)])}
+    for mode, (on, off) in ((m, (r[True], r[False])) for m, r in runs.items()):
         result[mode] = {"caching_on": on, "caching_off": off, "speedup": off["mean_s"] / on["mean_s"]}
         print(f"[{mode}] TTFT, prefix caching on : mean {on['mean_s'] * 1e3:.1f} ms, median "
               f"{on['median_s'] * 1e3:.1f} ms (hit {on['prefix_hits']}/{on['prefix_queries']} prompt tokens)")
