@@ -1,15 +1,20 @@
 """The runtime's quantized execution on the embedded model against transformers' forward on the
 same compressed-tensors checkpoint, on fresh inputs (evaluation-split text, never calibration).
 
+Besides those, ``fp8_recipe`` is the shipped FP8 recipe built by the pipeline: some linears left in
+float by its ``quant.ignore``, next to fp8 ones.
+
 The checkpoints are made by round-to-nearest (llm-compressor's data-free QuantizationModifier):
 the file format GPTQ and AWQ (pack-quantized), SmoothQuant+GPTQ (int-quantized) and FP8
 (float-quantized) write, in seconds instead of minutes; the runtime cannot tell how the integers
 were chosen.
 
 Tolerances, and why:
-- ``dequant`` backend (dequantize a layer, fake-quantize activations, float32 matmul): the same
-  arithmetic in the same order as transformers, so logits agree to float32 rounding
-  (max |diff| <= 1e-4 x the logit scale).
+- ``dequant`` backend (dequantize a layer, fake-quantize activations, float32 matmul) with the
+  model's plain torch ops (``fused_ops=False``): the same arithmetic in the same order as
+  transformers, so logits agree to float32 rounding (max |diff| <= 1e-4 x the logit scale). The
+  fused RMSNorm sums its squares in another order (tests/test_layer_ops.py); through the
+  dynamic-activation schemes that is one more source of rounding flips, covered below.
 - weight-only int4 (``cpu-int4``): the kernel runs in bfloat16 (8 mantissa bits on activations and
   scales, float32 accumulation): mean KL(ref || ours) <= 2e-3 nats/token, top-1 agreement >= 95%,
   and greedy continuations of a prompt set identical.
@@ -25,6 +30,7 @@ Tolerances, and why:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -36,8 +42,22 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 GREEDY_TOKENS = 8
 # one checkpoint per file format the recipes write: pack-quantized (gptq, awq), int-quantized (w8a8),
 # float-quantized (fp8); asymmetric int4, activation order and int8 weight-only are covered layer by layer
-KERNEL = {"w4a16": "cpu-int4", "w8a8": "cpu-w8a8", "fp8": "cpu-fp8"}
+# fp8_recipe: the shipped smollm2_135m_fp8 recipe built by the pipeline, with its default quant.ignore (layer
+# 29's MLP stays float): a mix of quantized and float linears in one compressed-tensors checkpoint
+KERNEL = {"w4a16": "cpu-int4", "w8a8": "cpu-w8a8", "fp8": "cpu-fp8", "fp8_recipe": "cpu-fp8"}
 KERNELS = ("cpu-int4", "cpu-int8-weight", "cpu-w8a8", "cpu-fp8")
+
+
+def _fused_groups(ignore: list[str]) -> set[str]:
+    """The runtime's fused linears (qkv, o, gate_up, down per layer) that hold no ignored layer: the ones
+    that stay quantized (a group with an ignored part is float as a whole)."""
+    from infer.pipeline.quantize import _matches
+
+    parts = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+             "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
+             "mlp.down_proj": ["mlp.down_proj"]}
+    return {f"layers.{i}.{fused}" for i in range(30) for fused, names in parts.items()
+            if not any(_matches(p, f"model.layers.{i}.{n}") for n in names for p in ignore)}
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +71,18 @@ def fresh_ids(embedded_artifact):
 
 
 @pytest.fixture(scope="module")
-def ckpts(tmp_path_factory, embedded_artifact):
+def ckpts(tmp_path_factory, embedded_artifact, cache_dir):
     root = tmp_path_factory.mktemp("rtn")
-    return lambda scheme: rtn_checkpoint(embedded_artifact, root / scheme, scheme)
+
+    def make(scheme: str) -> Path:
+        if scheme == "fp8_recipe":  # data-free, so the real stage takes seconds
+            from infer.pipeline.build import build
+            from infer.pipeline.config import compose_recipe
+
+            return build(compose_recipe(["recipe=smollm2_135m_fp8", f"model.source={embedded_artifact}",
+                                         f"output_dir={root / scheme}", f"cache_dir={cache_dir}"])).artifact
+        return rtn_checkpoint(embedded_artifact, root / scheme, scheme)
+    return make
 
 
 def _greedy(step, ids: list[int], n: int) -> list[int]:
@@ -80,6 +109,7 @@ def _float64_dequant(self, x):
 def test_runtime_matches_transformers(scheme, ckpts, fresh_ids, embedded_artifact, monkeypatch):
     import transformers
 
+    from infer.pipeline.config import compose_recipe
     from infer.runtime.model import load_model
     from infer.runtime.quant_linear import DequantLinear, disabled_backends, quantized_modules
 
@@ -91,11 +121,15 @@ def test_runtime_matches_transformers(scheme, ckpts, fresh_ids, embedded_artifac
 
     ours = load_model(path)
     backends = quantized_modules(ours)
-    assert len(backends) == 30 * 4 and set(backends.values()) == {KERNEL[scheme]}
+    ignore = json.loads((path / "config.json").read_text())["quantization_config"]["ignore"]
+    assert set(backends) == _fused_groups(ignore) and set(backends.values()) == {KERNEL[scheme]}
+    if scheme == "fp8_recipe":  # the recipe's ignored layers: plain float linears next to the fp8 ones
+        assert sorted(ignore) == sorted(compose_recipe(["recipe=smollm2_135m_fp8"]).quant.ignore)
+        assert len(backends) == 30 * 4 - 2 and type(ours.get_submodule("layers.29.mlp.down_proj")) is torch.nn.Linear
     kernel = compare_logits(ours.logits(fresh_ids)[0], ref_logits)
 
     with disabled_backends(*KERNELS):
-        exact_model = load_model(path)
+        exact_model = load_model(path, fused_ops=False)  # transformers' own op sequence, norms included
     assert set(quantized_modules(exact_model).values()) == {"dequant"}
     exact = compare_logits(exact_model.logits(fresh_ids)[0], ref_logits)
     assert exact["max_abs"] <= 1e-4 * exact["scale"], exact
@@ -124,7 +158,7 @@ def test_runtime_matches_transformers(scheme, ckpts, fresh_ids, embedded_artifac
         got = _greedy(ours.logits, ids, GREEDY_TOKENS)
         shares.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), GREEDY_TOKENS) / GREEDY_TOKENS)
     print(scheme, "kernel", kernel, "exact", exact, "greedy prefix shares", shares)
-    weight_only = scheme not in ("w8a8", "fp8")
+    weight_only = scheme not in ("w8a8", "fp8", "fp8_recipe")
     assert (min(shares) == 1.0) if weight_only else (sum(shares) / len(shares) >= 0.5), (scheme, shares)
 
 
