@@ -32,7 +32,6 @@ class PagedAttention:
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.slot_mapping = slot_mapping  # [T] cache slot of each new token
-        self.prefills = prefills
         self.decode_rows = decode_rows  # [D] rows of decode queries
         self.decode_blocks = decode_blocks  # [D, max_blocks]
         self.decode_lens = decode_lens  # [D] context length of each
@@ -89,7 +88,7 @@ class _PaddedChunks:
             return
         width = max(len(c.blocks) for c in chunks)
         n = max(c.length for c in chunks)
-        self.width, self.n, self.block_size = width, n, block_size
+        self.n = n
         self.tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])  # pad: block 0
         i = torch.arange(n)
         starts = torch.tensor([c.start for c in chunks])

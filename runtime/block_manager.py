@@ -64,78 +64,68 @@ class BlockManager:
     def _chain(self, prev: int, tokens: list[int]) -> int:
         return hash((prev, tuple(tokens)))
 
-    def match_prefix(self, seq: Sequence) -> int:
+    def match_prefix(self, seq: Sequence) -> int | None:
         """Attaches cached leading blocks to a sequence that has none yet; returns tokens reused.
 
+        Returns None, attaching and counting nothing, when the first block the sequence would
+        compute is being computed by another sequence right now: it should wait for it instead.
         At least the last token is always left to compute: its logits are needed to sample.
         """
         assert not seq.block_table and seq.num_computed_tokens == 0
-        limit = (len(seq) - 1) // self.block_size
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return 0
-        self.prefix_queries += len(seq) - 1
-        h = self.root_hash
-        for i in range(limit):
-            tokens = seq.block_tokens(i, self.block_size)
-            h = self._chain(h, tokens)
-            block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
-                break
-            self._take(block_id)
-            seq.block_table.append(block_id)
-        hit = len(seq.block_table) * self.block_size
-        seq.num_computed_tokens = seq.num_cached_tokens = hit
-        seq.num_hashed_blocks = len(seq.block_table)
-        self.prefix_hits += hit
-        return hit
-
-    def prefix_in_flight(self, seq: Sequence) -> bool:
-        """Whether the first prompt block this sequence would have to compute is being computed now.
-
-        Walks the hash chain over cached blocks; true when the first uncached one is in flight."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return False
-        h = self.root_hash
+        found, h = [], self.root_hash
         for i in range((len(seq) - 1) // self.block_size):
             tokens = seq.block_tokens(i, self.block_size)
             h = self._chain(h, tokens)
             block_id = self.cached.get(h)
-            if block_id is not None and self.blocks[block_id].token_ids == tuple(tokens):
-                continue
-            return self.in_flight.get(h, seq.seq_id) != seq.seq_id
-        return False
+            if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
+                if self.in_flight.get(h, seq.seq_id) != seq.seq_id:
+                    return None
+                break
+            found.append(block_id)
+        self.prefix_queries += len(seq) - 1
+        for block_id in found:
+            self._take(block_id)
+        seq.block_table.extend(found)
+        hit = len(found) * self.block_size
+        seq.num_computed_tokens = seq.num_cached_tokens = hit
+        seq.num_hashed_blocks = len(found)
+        self.prefix_hits += hit
+        return hit
+
+    def _hashed_tip(self, seq: Sequence) -> int:
+        """The chain hash of the sequence's last registered block (the root before any)."""
+        return self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else self.root_hash
 
     def mark_in_flight(self, seq: Sequence) -> None:
         """Notes the full prompt blocks a newly scheduled sequence is about to compute."""
         if not self.enable_prefix_caching or seq.in_flight_hashes:
             return
-        h = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else self.root_hash
+        h = self._hashed_tip(seq)
         for i in range(seq.num_hashed_blocks, seq.num_prompt_tokens // self.block_size):
             h = self._chain(h, seq.block_tokens(i, self.block_size))
             if self.in_flight.setdefault(h, seq.seq_id) == seq.seq_id:
                 seq.in_flight_hashes.append(h)
 
-    def _land(self, seq: Sequence, hashes) -> None:
-        for h in hashes:
-            if self.in_flight.get(h) == seq.seq_id:
-                del self.in_flight[h]
+    def _land(self, seq: Sequence, h: int) -> None:
+        """Nobody needs to wait for block hash ``h`` from this sequence any more."""
+        if self.in_flight.get(h) == seq.seq_id:
+            del self.in_flight[h]
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publishes blocks whose K/V are now complete so later requests can reuse them."""
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.block_size
-        h = self.root_hash
-        if seq.num_hashed_blocks:
-            h = self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash
+        h = self._hashed_tip(seq)
         for i in range(seq.num_hashed_blocks, full):
             tokens = seq.block_tokens(i, self.block_size)
             h = self._chain(h, tokens)
             block = self.blocks[seq.block_table[i]]
             block.hash, block.token_ids = h, tuple(tokens)
             self.cached.setdefault(h, block.block_id)
-            if self.in_flight.get(h) == seq.seq_id:
-                del self.in_flight[h]
+            self._land(seq, h)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
 
     # ------------------------------------------------------------------ allocation
@@ -186,5 +176,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
-        self._land(seq, seq.in_flight_hashes)  # computed or abandoned: nobody waits on them any more
+        for h in seq.in_flight_hashes:  # computed or abandoned: nobody waits on them any more
+            self._land(seq, h)
         seq.in_flight_hashes = []

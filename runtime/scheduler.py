@@ -100,11 +100,9 @@ class Scheduler:
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
-            if not seq.block_table:
-                if self.bm.prefix_in_flight(seq):
-                    deferred.append(self.waiting.popleft())  # its prefix lands in the cache within steps
-                    continue
-                self.bm.match_prefix(seq)
+            if not seq.block_table and self.bm.match_prefix(seq) is None:
+                deferred.append(self.waiting.popleft())  # its prefix lands in the cache within steps
+                continue
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill and seqs:

@@ -174,6 +174,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;
       const int64_t len = context_lens[s];
       const int64_t* table = block_tables + s * max_blocks;
+      const auto token_row = [&](const T* cache, int64_t t) {  // token t's row for this KV head
+        return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
+      };
       for (int64_t g = 0; g < group; ++g)
         load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       scores.assign(group * len, 0.f);
@@ -192,14 +195,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #if defined(__AVX512F__)
       if (head_dim % 16 == 0) {
         for (int64_t t = 0; t < len; ++t) {
-          const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
+          const T* k = token_row(k_cache, t);
           score_row(qf.data(), k, scores.data() + t, group, head_dim, len);
         }
         for (int64_t i = 0; i < group * len; ++i) scores[i] *= scale;
       } else
 #endif
       for (int64_t t = 0; t < len; ++t) {
-        const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
+        const T* k = token_row(k_cache, t);
         load_row(k, row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
@@ -228,13 +231,13 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #if defined(__AVX512F__)
       if (head_dim % 16 == 0) {
         for (int64_t t = 0; t < len; ++t) {
-          const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
+          const T* v = token_row(v_cache, t);
           accumulate_row(scores.data() + t, len, v, acc.data(), group, head_dim);
         }
       } else
 #endif
       for (int64_t t = 0; t < len; ++t) {
-        const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
+        const T* v = token_row(v_cache, t);
         load_row(v, row.data(), head_dim);
         for (int64_t g = 0; g < group; ++g) {
           const float p = scores[g * len + t];
