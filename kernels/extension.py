@@ -1,8 +1,9 @@
 """Builds a C++ source under kernels/csrc into a Python extension on first use, or says why not.
 
 The build goes to torch's extension cache (about a minute per source, once per machine). A build
-that failed is remembered per source digest, so not every process pays the minute again; callers
-fall back to plain torch ops, and say so.
+that failed to compile is remembered per source digest, so not every process pays the minute again;
+a failure of the machine (a full disk, a permission) is not remembered, so the next process retries.
+Callers fall back to plain torch ops, and say so.
 """
 
 from __future__ import annotations
@@ -28,12 +29,18 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
     digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
     failed = Path(_get_build_directory(name, verbose=False)) / f"failed-{digest}"
     if failed.exists():
-        log.warning("C++ kernel %s failed to build before (%s); using torch ops", name, failed)
+        log.warning("C++ kernel %s failed to build before (%s); using torch ops; delete that file to retry",
+                    name, failed)
         return None
     try:
         return load_extension(name=name, sources=[str(path)], extra_cflags=["-O3", "-march=native", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly
-        failed.write_text(str(e))
-        log.warning("C++ kernel %s unavailable (%s); using torch ops", name, str(e).splitlines()[0][:200])
+        reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        if not (isinstance(e, OSError) or "No space left on device" in str(e)):
+            try:
+                failed.write_text(str(e) or type(e).__name__)
+            except OSError:
+                pass  # cannot even write the marker: the next process simply tries again
+        log.warning("C++ kernel %s unavailable (%s); using torch ops", name, reason)
         return None

@@ -112,3 +112,28 @@ def test_chunks_after_cached_tokens_batch_into_one_padded_call():
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         assert torch.allclose(out[rows], torch.einsum("hnt,thd->nhd", probs, vals), atol=1e-10)
         row += new
+
+
+@pytest.mark.parametrize("error, remembered", [
+    (RuntimeError("Error building extension 'x': error: expected ';'"), True),
+    (RuntimeError("Error building extension 'x': fatal error: No space left on device"), False),
+    (PermissionError("cannot write the build directory"), False),
+])
+def test_a_failed_build_is_remembered_only_when_the_source_is_at_fault(error, remembered, tmp_path, monkeypatch):
+    import torch.utils.cpp_extension
+
+    from infer.kernels import extension
+
+    calls = []
+
+    def failing_load(**kwargs):
+        calls.append(kwargs["name"])
+        raise error
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
+    assert extension.build("infer_paged_attention", "paged_attention.cpp", []) is None
+    assert extension.build("infer_paged_attention", "paged_attention.cpp", []) is None
+    # a compile error is not retried by the next caller; a full disk or a permission is
+    assert len(calls) == (1 if remembered else 2)
+    assert bool(list(tmp_path.rglob("failed-*"))) == remembered
