@@ -306,7 +306,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bo
     """Builds the model from an HF-format directory (config.json + safetensors).
 
     ``fused_ops``: RMSNorm and rotary through the C++ kernels of kernels/layer_ops when they build,
-    and bfloat16 linears with weights prepacked for oneDNN (runtime/packed_linear.py): the same
+    and bfloat16 linears with weights prepacked for AMX tiles or oneDNN (runtime/packed_linear.py): the same
     values up to rounding, in less time. False keeps every step in plain torch ops."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
@@ -341,13 +341,14 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bo
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
     if fused_ops and dtype in (torch.float32, torch.bfloat16, torch.float16):  # the kernels' dtypes
-        from infer.kernels import layer_ops
+        from infer.kernels import amx_linear, layer_ops
 
         from .packed_linear import can_pack, pack_linears
 
         model.use_fused_ops(layer_ops.load())
-        if can_pack(dtype):
-            pack_linears(model)
+        amx = amx_linear.load() if dtype == torch.bfloat16 else None
+        if amx is not None or can_pack(dtype):
+            pack_linears(model, amx)
     return model.eval().requires_grad_(False)
 
 

@@ -1,12 +1,20 @@
-"""bfloat16 linears whose weights are reordered once, at load, into oneDNN's blocked layout.
+"""bfloat16 linears whose weights are reordered once, at load, into a matmul kernel's own layout.
 
-``F.linear`` hands oneDNN a row-major weight, which its AMX / AVX-512 matmul kernels copy into
-their blocked layout on every call; for a small model that copy is a good share of each step.
-Reordering once (as torch.compile's CPU freezing does) removes it. Measured on the embedded model
-in bfloat16, one thread, through the engine: a 30-token prefill after a cached prefix 86 -> 73 ms,
-a 430-token prefill 420 -> 320 ms, a batch-64 decode step 135 -> 117 ms. float32 gains nothing
-(tried: slower at 1 and 432 tokens), so only bfloat16 is packed. Same maths; oneDNN may block the
-reduction differently, so results agree to bfloat16 rounding rather than bit for bit.
+``F.linear`` hands oneDNN a row-major weight, which its matmul kernels copy into their blocked
+layout on every call; for a small model that copy is a good share of each step. Two layouts
+instead, chosen per layer at load:
+
+- AMX tiles (kernels/amx_linear.py), on CPUs with AMX: a kernel that streams the weights at close
+  to memory speed, which is what matters for a decode step or a short prompt chunk (a few rows
+  times every weight). Measured on the embedded model's layers at two threads: 1 row 11 vs 25 ms
+  (oneDNN), 30 rows 15-19 vs 24-38 ms, 430 rows 155-200 vs 215-270 ms; the 57 MB LM head for one
+  row 1.7 vs 5-6 ms. Used for the LM head too (a copy, when it shares the embedding's weight).
+- oneDNN's blocked layout elsewhere (as torch.compile's CPU freezing does): a 30-token prefill
+  after a cached prefix 86 -> 73 ms, a 430-token prefill 420 -> 320 ms, a batch-64 decode step
+  135 -> 117 ms, one thread. float32 gains nothing (tried), so only bfloat16 is packed.
+
+Same maths (float32 accumulation, one rounding to bfloat16); the reduction may be blocked
+differently, so results agree to bfloat16 rounding rather than bit for bit.
 """
 
 from __future__ import annotations
@@ -16,23 +24,39 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from infer.kernels import amx_linear
+
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, amx=None):
+        """``amx``: kernels.amx_linear's module, used when the weight's shape fits it; else oneDNN."""
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        weight = linear.weight.detach()
+        self.amx = amx if amx is not None and amx_linear.fits(weight) else None
+        if self.amx is not None:
+            self.packed_weight = amx_linear.pack(weight)
+        else:
+            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.packed_weight, self.bias, "none", [], "")
+        x = x.reshape(-1, shape[-1])
+        if self.amx is not None:
+            y = self.amx.amx_linear(x, self.packed_weight, self.bias)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        kernel = "amx" if self.amx is not None else "onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel={kernel}"
 
 
 @lru_cache(maxsize=None)
 def can_pack(dtype: torch.dtype) -> bool:
-    """Whether this torch and CPU pack ``dtype`` weights (bfloat16, with oneDNN and bf16 instructions)."""
+    """Whether this torch and CPU pack ``dtype`` weights for oneDNN (bfloat16, with bf16 instructions)."""
     if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
         return False
     try:
@@ -43,16 +67,22 @@ def can_pack(dtype: torch.dtype) -> bool:
         return False
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swaps every plain ``nn.Linear`` in the decoder layers for a PackedLinear; returns how many.
+def pack_linears(model: nn.Module, amx=None) -> int:
+    """Swaps the decoder layers' plain bfloat16 ``nn.Linear``s for PackedLinears; returns how many.
 
-    The LM head stays as it is: it often shares its weight with the embedding, which lookups need
-    in plain layout."""
+    With ``amx`` (kernels.amx_linear's module) the LM head is packed too, when its shape fits:
+    the embedding keeps its own plain copy for lookups. oneDNN's layout gains nothing there."""
     count = 0
     for layer in model.layers:
         for name, module in list(layer.named_modules()):
-            if type(module) is nn.Linear:
+            if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and \
+                    (amx is not None and amx_linear.fits(module.weight) or can_pack(torch.bfloat16)):
                 parent, _, attr = name.rpartition(".")
-                setattr(layer.get_submodule(parent) if parent else layer, attr, PackedLinear(module))
+                setattr(layer.get_submodule(parent) if parent else layer, attr, PackedLinear(module, amx))
                 count += 1
+    head = model.lm_head
+    if amx is not None and type(head) is nn.Linear and head.weight.dtype == torch.bfloat16 \
+            and amx_linear.fits(head.weight):
+        model.lm_head = PackedLinear(head, amx)
+        count += 1
     return count

@@ -143,3 +143,31 @@ def test_prompt_over_context_limit(embedded_artifact):
     assert not llm.engine.has_unfinished_requests()
     out = llm.generate([[5] * 60], SamplingParams(max_tokens=50, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4  # the context limit ends it
+
+
+def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embedded_artifact, hf_reference):
+    """The serving dtype through AMX / oneDNN linears and the fused kernels, against transformers in
+    float32: no further from it than bfloat16 through plain torch ops, on fresh text."""
+    import random
+
+    from pydoc_data.topics import topics
+
+    from infer.kernels import amx_linear
+    from infer.runtime.model import load_model
+    from infer.runtime.packed_linear import PackedLinear
+    from quant_helpers import compare_logits
+
+    ref_model, tok = hf_reference
+    text = "".join(topics.values())
+    start = random.randrange(len(text) - 4000)
+    ids = torch.tensor([tok.encode(text[start:start + 4000])[:160]])
+    with torch.no_grad():
+        ref = ref_model(ids).logits[0].float()
+    fast = load_model(embedded_artifact, torch.bfloat16)
+    plain = load_model(embedded_artifact, torch.bfloat16, fused_ops=False)
+    assert type(fast.layers[0].mlp.gate_up_proj) is PackedLinear
+    assert type(fast.lm_head) is (PackedLinear if amx_linear.load() is not None else torch.nn.Linear)
+    assert type(plain.layers[0].mlp.gate_up_proj) is torch.nn.Linear
+    got, base = compare_logits(fast.logits(ids)[0], ref), compare_logits(plain.logits(ids)[0], ref)
+    assert base["mean_kl"] > 0  # bfloat16 does move the logits: the comparison has something to measure
+    assert got["mean_kl"] <= 1.5 * base["mean_kl"] + 1e-4 and got["top1"] >= base["top1"] - 0.05, (got, base)
