@@ -1,14 +1,15 @@
-"""``infer-bench``: ``serve`` loads a running server over HTTP; ``offline`` runs the engine benchmark."""
+"""``infer-bench``: ``serve`` loads a running server over HTTP; ``offline`` and ``single`` run the engine."""
 
 from __future__ import annotations
 
 import sys
 
-USAGE = """usage: infer-bench {serve,offline} [options]
+USAGE = """usage: infer-bench {serve,offline,single} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
             requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s
-  offline   the engine throughput benchmark (no server)
+  offline   the engine's throughput on 64 mixed requests against transformers generate (no server)
+  single    one request's decode speed against transformers generate at batch 1 (no server)
 
 infer-bench COMMAND --help shows the options of each."""
 
@@ -23,11 +24,13 @@ def main(argv=None) -> None:
         from .serve import main as serve_main
 
         sys.exit(serve_main(rest))
-    if command == "offline":
-        from .throughput import main as offline_main
-
-        code = offline_main(rest)
-        sys.exit(code if isinstance(code, int) else 0)
+    if command in ("offline", "single"):
+        if command == "offline":
+            from .throughput import main as bench_main
+        else:
+            from .single import main as bench_main
+        bench_main(rest)
+        sys.exit(0)
     print(f"infer-bench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     sys.exit(2)
 
