@@ -27,8 +27,10 @@ class PrefillChunk:
 class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
-                 decode_lens: torch.Tensor, decode_kernel=None):
+                 decode_lens: torch.Tensor, decode_kernel=None, store_kv=None):
         self.decode_kernel = decode_kernel  # kernels.cpu_attention's, or None: gather + SDPA
+        self.store_kv = store_kv  # kernels.cpu_attention's, or None: two index_copy_
+        self.decodes_only = not prefills  # the rows are the decodes, in order: no gather, no scatter
         self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.slot_mapping = slot_mapping  # [T] cache slot of each new token
@@ -44,8 +46,13 @@ class PagedAttention:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         kvh, d = k.shape[1], k.shape[2]
-        k_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
+        if self.store_kv is not None:
+            self.store_kv(k_cache, v_cache, self.slot_mapping, k, v)
+        else:
+            k_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, k)
+            v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
+        if self.decodes_only and self.decode_kernel is not None:
+            return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
         out = torch.empty_like(q)
         group = q.shape[1] // kvh
         for c in self.fresh:  # nothing cached before: attend within the chunk

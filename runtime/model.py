@@ -162,9 +162,13 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.ops = None  # kernels.layer_ops' module when it builds: silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -206,9 +210,9 @@ class Transformer(nn.Module):
         return self.norm(x, residual)[0]
 
     def use_fused_ops(self, ops) -> None:
-        """Runs RMSNorm and rotary through kernels.layer_ops' module (None: plain torch ops)."""
+        """Runs RMSNorm, rotary and the MLP's activation through kernels.layer_ops' module (None: torch ops)."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding)):
+            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
                 m.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

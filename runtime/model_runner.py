@@ -20,19 +20,20 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def _decode_kernel(backend: str):
-    """``auto``: the compiled CPU kernel when it builds; ``torch``: gather + SDPA; ``cpp``: the kernel or fail."""
+def _attention_kernels(backend: str):
+    """(decode attention, KV store) of the compiled CPU kernel: ``auto`` when it builds, ``cpp`` or
+    fail; ``torch`` (None, None): gather + SDPA and index_copy_."""
     if backend not in ("auto", "torch", "cpp"):
         raise ValueError(f"attention_backend={backend!r}: choose auto, torch or cpp")
     if backend == "torch":
-        return None
+        return None, None
     from infer.kernels import cpu_attention
 
     if cpu_attention.load() is None:
         if backend == "cpp":
             raise RuntimeError("attention_backend=cpp but the CPU kernel could not be built (see the warning above)")
-        return None
-    return cpu_attention.paged_decode_attention
+        return None, None
+    return cpu_attention.paged_decode_attention, cpu_attention.store_kv_
 
 
 @dataclass
@@ -45,7 +46,7 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto"):
         cfg = model.config
-        self.decode_kernel = _decode_kernel(attention_backend)
+        self.decode_kernel, self.store_kv = _attention_kernels(attention_backend)
         self.model = model
         self.block_size = block_size
         self.kv_cache = torch.empty(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -75,7 +76,7 @@ class ModelRunner:
         width = max((len(t) for t in decode_tables), default=0)
         blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long).view(len(decode_tables), width)
         ctx = PagedAttention(self.kv_cache, bs, torch.tensor(slots), prefills, torch.tensor(decode_rows, dtype=torch.long),
-                             blocks, torch.tensor(decode_lens, dtype=torch.long), self.decode_kernel)
+                             blocks, torch.tensor(decode_lens, dtype=torch.long), self.decode_kernel, self.store_kv)
         return torch.tensor(ids), torch.tensor(positions), ctx
 
     @torch.inference_mode()

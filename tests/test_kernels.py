@@ -137,3 +137,22 @@ def test_a_failed_build_is_remembered_only_when_the_source_is_at_fault(error, re
     # a compile error is not retried by the next caller; a full disk or a permission is
     assert len(calls) == (1 if remembered else 2)
     assert bool(list(tmp_path.rglob("failed-*"))) == remembered
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_copy_writes(dtype):
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    k_cache = torch.randn(8, 16, 3, 64, generator=gen).to(dtype)
+    v_cache = torch.randn(8, 16, 3, 64, generator=gen).to(dtype)
+    qkv = torch.randn(5, (9 + 3 + 3) * 64, generator=gen).to(dtype)  # k, v: strided slices of the fused rows
+    _, k, v = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
+    k, v = k.view(5, 3, 64), v.view(5, 3, 64)
+    slots = torch.randperm(8 * 16, generator=gen)[:5]
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k.view(-1, 3, 64).index_copy_(0, slots, k)
+    want_v.view(-1, 3, 64).index_copy_(0, slots, v)
+    cpu_attention.store_kv_(k_cache, v_cache, slots, k, v)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    with pytest.raises(RuntimeError, match="slot 128 outside the cache of 128"):
+        cpu_attention.store_kv_(k_cache, v_cache, torch.tensor([0, 1, 2, 3, 128]), k, v)
+    assert torch.equal(k_cache, want_k)  # refused before anything was written

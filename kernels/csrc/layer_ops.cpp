@@ -1,11 +1,12 @@
 // The small elementwise steps of a decoder layer, fused, on the CPU: RMSNorm with the residual add
-// folded in, and the rotary embedding applied in place to q and k.
+// folded in, the rotary embedding applied in place to q and k, and the MLP's silu(gate) * up.
 //
 // Unfused, each is five to ten torch ops per layer, each a pass over memory plus dispatch
 // overhead; for a short prompt chunk or a decode batch that overhead rivals the matmuls. Every
 // step rounds to the storage dtype exactly where the unfused torch ops (and transformers) round:
 // the rotary and the residual add are bit-identical to them, the norm differs only in the order
-// its float32 sum of squares adds up. Built without -ffast-math and with -ffp-contract=off for
+// its float32 sum of squares adds up, and SiLU's exp is a polynomial good to about 1 float32 ulp
+// (torch's is too, a different one), so a bfloat16 result can differ in its last bit, rarely. Built without -ffast-math and with -ffp-contract=off for
 // that reason (kernels/layer_ops.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -14,6 +15,10 @@
 
 #include <cmath>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -79,6 +84,51 @@ void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float
           xh[i] = from_float<T>(a);
           xh[i + half] = from_float<T>(b);
         }
+      }
+    }
+  });
+}
+
+// s[l] = g[l] / (1 + exp(-g[l])) for 16 lanes.
+inline void silu16(const float* g, float* s) {
+#if defined(__AVX512F__)
+  // exp(-g) = 2^n * p(r), n = round(-g / ln 2), r = -g - n ln 2 (ln 2 in two parts), p Cephes' expf
+  // polynomial; scalef applies 2^n and saturates to 0 / inf, after which g / (1 + exp(-g)) is
+  // g or -0 as it should be.
+  const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  const __m512 e = _mm512_scalef_ps(p, n);
+  _mm512_storeu_ps(s, _mm512_div_ps(_mm512_loadu_ps(g), _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+#else
+  for (int l = 0; l < 16; ++l) s[l] = g[l] / (1.f + std::exp(-g[l]));
+#endif
+}
+
+// out[r] = silu(gate) * up for rows [gate | up] of x, SiLU rounded to T before the product, as
+// torch's F.silu(gate) * up rounds.
+template <typename T>
+void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
+    alignas(64) float g[16], s[16];
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = x + r * x_stride;
+      const T* up = gate + inter;
+      T* o = out + r * inter;
+      for (int64_t i = 0; i < inter; i += 16) {
+        const int64_t lanes = std::min<int64_t>(16, inter - i);
+        for (int64_t l = 0; l < 16; ++l) g[l] = l < lanes ? to_float(gate[i + l]) : 0.f;
+        silu16(g, s);
+        for (int64_t l = 0; l < lanes; ++l) o[i + l] = from_float<T>(round_to<T>(s[l]) * to_float(up[i + l]));
       }
     }
   });
@@ -151,7 +201,22 @@ void rotary_(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch:
   });
 }
 
+// silu(x[:, :I]) * x[:, I:] for x [T, 2I] (rows may be strided): the MLP's activation on the fused
+// gate/up projection, one pass instead of split, silu and mul. Returns a new [T, I] tensor.
+torch::Tensor silu_mul(torch::Tensor x) {
+  check_rows(x, "silu_mul");
+  TORCH_CHECK(x.size(1) % 2 == 0, "silu_mul: expects [T, 2 * intermediate] (gate then up)");
+  const int64_t inter = x.size(1) / 2;
+  auto out = torch::empty({x.size(0), inter}, x.options());
+  dispatch(x.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(x.data_ptr<T>(), x.stride(0), out.data_ptr<T>(), x.size(0), inter);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over the fused gate/up rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place on the leading heads of each row (CPU)");

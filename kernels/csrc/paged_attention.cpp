@@ -9,6 +9,7 @@
 #include "float_storage.h"
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -286,6 +287,35 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// Writes a step's new keys and values into their cache slots, both in one call: k, v [T, kv_heads,
+// head_dim] with rows that may be strided (slices of the fused qkv projection are); slots [T] int64,
+// each block * block_size + offset. Two index_copy_ calls otherwise, twice the dispatch per layer.
+void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes(), "store_kv_: caches must be contiguous [blocks, block_size, kv_heads, d]");
+  const int64_t row = k_cache.size(2) * k_cache.size(3), capacity = k_cache.size(0) * k_cache.size(1);
+  for (const auto& t : {k, v}) {
+    TORCH_CHECK(t.dim() == 3 && t.size(1) * t.size(2) == row && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
+                    t.scalar_type() == k_cache.scalar_type() && t.size(0) == slots.numel(),
+                "store_kv_: k and v must be [T, kv_heads, head_dim] of the cache's dtype, one row per slot");
+  }
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_kv_: slots must be contiguous int64");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t bytes = row * k_cache.element_size();
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const char* ks = static_cast<const char*>(k.data_ptr());
+  const char* vs = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  for (int64_t t = 0; t < slots.numel(); ++t)  // all checked before anything is written
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "store_kv_: slot ", slot[t], " outside the cache of ", capacity);
+  for (int64_t t = 0; t < slots.numel(); ++t) {
+    std::memcpy(kc + slot[t] * bytes, ks + t * k_stride, bytes);
+    std::memcpy(vc + slot[t] * bytes, vs + t * v_stride, bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
+  m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)");
 }
