@@ -89,13 +89,15 @@ void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float
   });
 }
 
-// s[l] = g[l] / (1 + exp(-g[l])) for 16 lanes.
-inline void silu16(const float* g, float* s) {
+// SiLU on float32 values: g / (1 + exp(-g)).
+inline float silu(float g) { return g / (1.f + std::exp(-g)); }
+
 #if defined(__AVX512F__)
-  // exp(-g) = 2^n * p(r), n = round(-g / ln 2), r = -g - n ln 2 (ln 2 in two parts), p Cephes' expf
-  // polynomial; scalef applies 2^n and saturates to 0 / inf, after which g / (1 + exp(-g)) is
-  // g or -0 as it should be.
-  const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_loadu_ps(g));
+// The same for 16 lanes. exp(-g) = 2^n * p(r), n = round(-g / ln 2), r = -g - n ln 2 (ln 2 in two
+// parts), p Cephes' expf polynomial; scalef applies 2^n and saturates to 0 / inf, after which
+// g / (1 + exp(-g)) is g or -0 as it should be.
+inline __m512 silu16(__m512 g) {
+  const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), g);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -107,29 +109,55 @@ inline void silu16(const float* g, float* s) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  const __m512 e = _mm512_scalef_ps(p, n);
-  _mm512_storeu_ps(s, _mm512_div_ps(_mm512_loadu_ps(g), _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-#else
-  for (int l = 0; l < 16; ++l) s[l] = g[l] / (1.f + std::exp(-g[l]));
-#endif
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_scalef_ps(p, n)));
 }
+
+// 16 values of T <-> float32 lanes; to T rounds to nearest even, as from_float does.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512i bf16_bits(__m512 v) {  // float32 bits rounded to the nearest even bfloat16, in the high half
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+}
+inline void store16(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// v rounded to T and back, as a torch op writing T and the next reading it would do.
+inline __m512 round16(__m512 v, float) { return v; }
+inline __m512 round16(__m512 v, at::BFloat16) {
+  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline __m512 round16(__m512 v, at::Half) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+#endif
 
 // out[r] = silu(gate) * up for rows [gate | up] of x, SiLU rounded to T before the product, as
 // torch's F.silu(gate) * up rounds.
 template <typename T>
 void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, grain(2 * inter), [&](int64_t begin, int64_t end) {
-    alignas(64) float g[16], s[16];
     for (int64_t r = begin; r < end; ++r) {
       const T* gate = x + r * x_stride;
       const T* up = gate + inter;
       T* o = out + r * inter;
-      for (int64_t i = 0; i < inter; i += 16) {
-        const int64_t lanes = std::min<int64_t>(16, inter - i);
-        for (int64_t l = 0; l < 16; ++l) g[l] = l < lanes ? to_float(gate[i + l]) : 0.f;
-        silu16(g, s);
-        for (int64_t l = 0; l < lanes; ++l) o[i + l] = from_float<T>(round_to<T>(s[l]) * to_float(up[i + l]));
-      }
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= inter; i += 16)
+        store16(o + i, _mm512_mul_ps(round16(silu16(load16(gate + i)), T{}), load16(up + i)));
+#endif
+      for (; i < inter; ++i) o[i] = from_float<T>(round_to<T>(silu(to_float(gate[i]))) * to_float(up[i]));
     }
   });
 }
