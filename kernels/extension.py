@@ -33,7 +33,9 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
                     name, failed)
         return None
     try:
-        return load_extension(name=name, sources=[str(path)], extra_cflags=["-O3", "-march=native", *cflags],
+        # the digest as a define: torch rebuilds when build flags change, but hashes no headers itself
+        return load_extension(name=name, sources=[str(path)],
+                              extra_cflags=["-O3", "-march=native", f"-DINFER_SOURCE_DIGEST={digest}", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]

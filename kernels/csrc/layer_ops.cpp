@@ -5,13 +5,14 @@
 // overhead; for a short prompt chunk or a decode batch that overhead rivals the matmuls. Every
 // step rounds to the storage dtype exactly where the unfused torch ops (and transformers) round:
 // the rotary and the residual add are bit-identical to them, the norm differs only in the order
-// its float32 sum of squares adds up, and SiLU's exp is a polynomial good to about 1 float32 ulp
-// (torch's is too, a different one), so a bfloat16 result can differ in its last bit, rarely. Built without -ffast-math and with -ffp-contract=off for
+// its float32 sum of squares adds up, and SiLU's exp is a polynomial good to about 2e-7 relative
+// (torch's is a different one), so a bfloat16 result can differ in its last bit, rarely. Built without -ffast-math and with -ffp-contract=off for
 // that reason (kernels/layer_ops.py).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "float_storage.h"
+#include "simd_math.h"
 
 #include <cmath>
 #include <vector>
@@ -93,23 +94,10 @@ void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 #if defined(__AVX512F__)
-// The same for 16 lanes. exp(-g) = 2^n * p(r), n = round(-g / ln 2), r = -g - n ln 2 (ln 2 in two
-// parts), p Cephes' expf polynomial; scalef applies 2^n and saturates to 0 / inf, after which
-// g / (1 + exp(-g)) is g or -0 as it should be.
+// The same for 16 lanes; exp(-g) overflowing to infinity makes it -0, as it should.
 inline __m512 silu16(__m512 g) {
-  const __m512 x = _mm512_sub_ps(_mm512_setzero_ps(), g);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
-  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), _mm512_scalef_ps(p, n)));
+  const __m512 e = infer::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+  return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
 }
 
 // 16 values of T <-> float32 lanes; to T rounds to nearest even, as from_float does.

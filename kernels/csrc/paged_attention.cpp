@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include "float_storage.h"
+#include "simd_math.h"
 
 #include <cmath>
 #include <cstring>
@@ -19,6 +20,9 @@
 namespace {
 
 using infer::to_float;
+#if defined(__AVX512F__)
+using infer::exp16;
+#endif
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
@@ -37,22 +41,6 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// e^x for 16 lanes: 2^n * 2^f with n = round(x log2 e) and Cephes' exp2f polynomial on f in [-1/2, 1/2]
-// (relative error about 2e-7); libm's scalar expf would cost more than the dot products.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // In-place softmax of n floats.
 inline void softmax_inplace(float* x, int64_t n) {
