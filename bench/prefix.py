@@ -24,9 +24,8 @@ import argparse
 import random
 import statistics
 import time
-from pathlib import Path
 
-from .throughput import RESULTS, default_artifact, save_json
+from .throughput import add_common_args, prepare, save_json
 
 
 def make_prompts(n: int, prefix_tokens: int, vocab: int, seed: int):
@@ -86,20 +85,13 @@ def burst_ttft(engines: dict, bursts) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", type=Path)
+    add_common_args(p, "prefix.json")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prefix-tokens", type=int, default=400)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bursts", type=int, default=2, help="bursts per engine, alternating (default 2)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
-    p.add_argument("--json", type=Path, default=RESULTS / "prefix.json")
     args = p.parse_args(argv)
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    artifact = args.artifact or default_artifact(args.dtype)
+    artifact = prepare(args)
     from infer.runtime.model import ModelConfig
 
     from infer.runtime import LLMEngine, SamplingParams

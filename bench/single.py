@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .throughput import RESULTS, default_artifact, make_requests, save_json
+from .throughput import add_common_args, make_requests, prepare, save_json
 
 
 def _engine_timer(artifact: Path, dtype: str):
@@ -52,17 +52,12 @@ def _transformers_timer(artifact: Path, dtype: str):
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", type=Path)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    add_common_args(p, "single.json")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--tokens", type=int, default=128, help="tokens generated per timed request")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
-    p.add_argument("--json", type=Path, default=RESULTS / "single.json")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    artifact = args.artifact or default_artifact(args.dtype)
+    artifact = prepare(args)
     from infer.runtime.model import ModelConfig
 
     vocab = ModelConfig.from_dir(artifact).vocab_size

@@ -47,6 +47,21 @@ def default_artifact(dtype: str) -> Path:
     return build(compose_recipe([f"model.dtype={dtype}", f"output_dir={out}", "artifact.name=bench-smollm2"])).artifact
 
 
+def add_common_args(p: argparse.ArgumentParser, json_name: str) -> None:
+    """The options every engine benchmark takes: --artifact, --dtype, --threads, --json."""
+    p.add_argument("--artifact", type=Path, help="artifact directory (default: build the embedded model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    p.add_argument("--json", type=Path, default=RESULTS / json_name)
+
+
+def prepare(args: argparse.Namespace) -> Path:
+    """Applies --threads and returns the artifact to measure (building the embedded one if none is given)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args.artifact or default_artifact(args.dtype)
+
+
 def run_engine(artifact: Path, reqs, temperature: float, **engine_args) -> dict:
     from infer.runtime import LLM, SamplingParams
 
@@ -91,21 +106,15 @@ def run_transformers(artifact: Path, reqs, temperature: float, dtype: torch.dtyp
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--artifact", type=Path, help="artifact directory (default: build the embedded model)")
+    add_common_args(p, "throughput.json")
     p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--json", type=Path, default=RESULTS / "throughput.json")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
-    artifact = args.artifact or default_artifact(args.dtype)
+    artifact = prepare(args)
     from infer.runtime.model import ModelConfig
 
     reqs = make_requests(args.requests, ModelConfig.from_dir(artifact).vocab_size, args.seed)
