@@ -3,8 +3,9 @@
 The step's new K/V are written into their slots first; then each query attends to its
 sequence's whole context gathered through its block table. Decodes (one query each) are done
 together in one call; so are prompt chunks that follow cached tokens (a burst of requests
-reusing one cached system prompt), padded to a common shape with a causal mask offset by the
-tokens already cached; a chunk that starts a sequence attends within itself. A backend is
+reusing one cached system prompt): through the AMX kernel, reading the cache in place, or padded
+to a common shape for one SDPA call with a causal mask offset by the tokens already cached; a
+chunk that starts a sequence attends within itself. A backend is
 anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call.
 """
 
@@ -27,7 +28,7 @@ class PrefillChunk:
 class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
-                 decode_lens: torch.Tensor, decode_kernel=None, store_kv=None):
+                 decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None):
         self.decode_kernel = decode_kernel  # kernels.cpu_attention's, or None: gather + SDPA
         self.store_kv = store_kv  # kernels.cpu_attention's, or None: two index_copy_
         self.decodes_only = not prefills  # the rows are the decodes, in order: no gather, no scatter
@@ -41,7 +42,11 @@ class PagedAttention:
             span = torch.arange(decode_blocks.shape[1] * block_size)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
         self.fresh = [c for c in prefills if c.context == c.length]
-        self.after_cache = _PaddedChunks([c for c in prefills if c.context > c.length], block_size, kv_cache.dtype)
+        after_cache = [c for c in prefills if c.context > c.length]
+        if chunk_kernel is not None:
+            self.after_cache = _ChunksInPlace(after_cache, chunk_kernel)
+        else:
+            self.after_cache = _PaddedChunks(after_cache, block_size, kv_cache.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
@@ -53,7 +58,7 @@ class PagedAttention:
             v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
         if self.decodes_only and self.decode_kernel is not None:
             return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         group = q.shape[1] // kvh
         for c in self.fresh:  # nothing cached before: attend within the chunk
             rows = slice(c.start, c.start + c.length)
@@ -81,6 +86,24 @@ def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int)
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=group > 1)
     return o[0].transpose(0, 1)
+
+
+class _ChunksInPlace:
+    """Prompt chunks that follow cached tokens, through kernels.amx_attention: each chunk reads its
+    context in place through its block table, with no gather and no padding."""
+
+    def __init__(self, chunks: list[PrefillChunk], kernel):
+        self.count, self.kernel = len(chunks), kernel
+        if not chunks:
+            return
+        width = max(len(c.blocks) for c in chunks)
+        self.tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])
+        self.starts = torch.tensor([c.start for c in chunks])
+        self.lengths = torch.tensor([c.length for c in chunks])
+        self.cached = torch.tensor([c.context - c.length for c in chunks])
+
+    def attend(self, q, k_cache, v_cache, out) -> None:
+        self.kernel(q, k_cache, v_cache, out, self.starts, self.lengths, self.cached, self.tables, q.shape[2] ** -0.5)
 
 
 class _PaddedChunks:

@@ -36,6 +36,17 @@ def _attention_kernels(backend: str):
     return cpu_attention.paged_decode_attention, cpu_attention.store_kv_
 
 
+def _chunk_kernel(backend: str, dtype: torch.dtype, head_dim: int, block_size: int):
+    """kernels.amx_attention's chunk attention where the CPU has AMX and the cache fits it; else None
+    (gather + SDPA). ``torch`` keeps plain torch ops."""
+    if backend == "torch":
+        return None
+    from infer.kernels import amx_attention
+
+    module = amx_attention.load() if amx_attention.fits(dtype, head_dim, block_size) else None
+    return module.chunk_attention if module is not None else None
+
+
 @dataclass
 class StepOutput:
     sampled: list[Sequence]  # sequences that reached their last token: one new token each
@@ -47,6 +58,7 @@ class ModelRunner:
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto"):
         cfg = model.config
         self.decode_kernel, self.store_kv = _attention_kernels(attention_backend)
+        self.chunk_kernel = _chunk_kernel(attention_backend, model.dtype, cfg.head_dim, block_size)
         self.model = model
         self.block_size = block_size
         self.kv_cache = torch.empty(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -76,7 +88,8 @@ class ModelRunner:
         width = max((len(t) for t in decode_tables), default=0)
         blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long).view(len(decode_tables), width)
         ctx = PagedAttention(self.kv_cache, bs, torch.tensor(slots), prefills, torch.tensor(decode_rows, dtype=torch.long),
-                             blocks, torch.tensor(decode_lens, dtype=torch.long), self.decode_kernel, self.store_kv)
+                             blocks, torch.tensor(decode_lens, dtype=torch.long), self.decode_kernel, self.store_kv,
+                             self.chunk_kernel)
         return torch.tensor(ids), torch.tensor(positions), ctx
 
     @torch.inference_mode()

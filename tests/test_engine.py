@@ -171,3 +171,31 @@ def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embe
     got, base = compare_logits(fast.logits(ids)[0], ref), compare_logits(plain.logits(ids)[0], ref)
     assert base["mean_kl"] > 0  # bfloat16 does move the logits: the comparison has something to measure
     assert got["mean_kl"] <= 1.5 * base["mean_kl"] + 1e-4 and got["top1"] >= base["top1"] - 0.05, (got, base)
+
+
+def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_artifact):
+    """Chunked prefill in bfloat16: every chunk after the first attends to the tokens cached before
+    it, through the AMX chunk kernel where the CPU has AMX. Its prompt logprobs must match one causal
+    pass over the whole prompt as closely as the plain torch path's (gather + SDPA) do."""
+    import random
+
+    from pydoc_data.topics import topics
+
+    from infer.kernels import amx_attention
+
+    text = "".join(topics.values())
+    start = random.randrange(len(text) - 3000)
+    diffs = {}
+    for backend in ("auto", "torch"):
+        llm = LLM(embedded_artifact, dtype="bfloat16", attention_backend=backend, max_num_batched_tokens=32,
+                  kv_cache_memory=64 << 20)
+        assert (llm.engine.runner.chunk_kernel is not None) == (backend == "auto" and amx_attention.load() is not None)
+        ids = llm.tokenizer.encode(text[start:start + 3000])[:150]
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+        assert llm.engine.stats["steps"] >= 150 // 32  # the prompt went in chunks
+        dense = llm.engine.model.logits(torch.tensor([ids]))[0].float().log_softmax(-1)
+        diffs[backend] = torch.tensor([abs(out.prompt_logprobs[j]["logprob"] - dense[j - 1, ids[j]].item())
+                                       for j in range(1, len(ids))])
+    assert 0 < diffs["torch"].mean() < 0.1  # bfloat16 attention rounding, summed over 30 layers
+    assert diffs["auto"].mean() <= 1.5 * diffs["torch"].mean() + 0.01, diffs
+    assert diffs["auto"].max() <= 1.5 * diffs["torch"].max() + 0.1, diffs

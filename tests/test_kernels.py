@@ -156,3 +156,55 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     with pytest.raises(RuntimeError, match="slot 128 outside the cache of 128"):
         cpu_attention.store_kv_(k_cache, v_cache, torch.tensor([0, 1, 2, 3, 128]), k, v)
     assert torch.equal(k_cache, want_k)  # refused before anything was written
+
+
+# ---------------------------------------------------------------- prompt chunks after cached tokens (AMX)
+AMX_ATTENTION = __import__("infer.kernels.amx_attention", fromlist=["load"]).load()
+
+
+def test_amx_chunk_attention_is_used_wherever_the_cpu_has_amx():
+    assert (AMX_ATTENTION is not None) == torch.cpu._is_amx_tile_supported()
+
+
+@pytest.mark.skipif(AMX_ATTENTION is None, reason="this CPU has no AMX")
+@pytest.mark.parametrize("lengths, cached, kv_heads", [
+    ([30], [400], 3),  # a request after a cached system prompt
+    ([1, 5, 17, 33], [15, 16, 7, 100], 3),  # odd sizes: partial blocks, rows not a multiple of 16
+    ([24] * 6, [200] * 6, 1),  # a burst, multi-query attention
+    ([40, 9], [0 + 3, 64], 9),  # no grouping
+])
+def test_amx_chunk_attention_matches_float64(lengths, cached, kv_heads):
+    from infer.runtime.attention import PrefillChunk, _PaddedChunks
+
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    heads, d, num_blocks = 9, 64, 512
+    k = torch.randn(num_blocks, 16, kv_heads, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks, 16, kv_heads, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(lengths), heads, d, generator=gen).to(torch.bfloat16)
+    free = torch.randperm(num_blocks, generator=gen)
+    chunks, start, used = [], 0, 0
+    for n, c in zip(lengths, cached):
+        blocks = -(-(c + n) // 16)
+        chunks.append(PrefillChunk(start, n, c + n, free[used:used + blocks].clone()))
+        start, used = start + n, used + blocks
+    want = torch.empty(q.shape, dtype=torch.float64)
+    for ch in chunks:
+        keys = k[ch.blocks].reshape(-1, kv_heads, d)[:ch.context].double().repeat_interleave(heads // kv_heads, 1)
+        vals = v[ch.blocks].reshape(-1, kv_heads, d)[:ch.context].double().repeat_interleave(heads // kv_heads, 1)
+        rows = slice(ch.start, ch.start + ch.length)
+        visible = torch.arange(ch.context)[None, :] <= ch.context - ch.length + torch.arange(ch.length)[:, None]
+        want[rows] = F.scaled_dot_product_attention(q[rows].double().transpose(0, 1), keys.transpose(0, 1),
+                                                    vals.transpose(0, 1), attn_mask=visible).transpose(0, 1)
+    width = max(len(c.blocks) for c in chunks)
+    tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])
+    got = torch.zeros(q.shape, dtype=torch.bfloat16)
+    AMX_ATTENTION.chunk_attention(q, k, v, got, torch.tensor([c.start for c in chunks]), torch.tensor(lengths),
+                                  torch.tensor(cached), tables, d ** -0.5)
+    sdpa = torch.zeros(q.shape, dtype=torch.bfloat16)
+    _PaddedChunks(chunks, 16, torch.bfloat16).attend(q, k, v, sdpa)
+    # bfloat16 probabilities and output: as close to the float64 result as torch's SDPA path is
+    err, sdpa_err = (got.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
+    assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
+    with pytest.raises(RuntimeError, match="does not fit its rows or block table"):
+        AMX_ATTENTION.chunk_attention(q, k, v, got, torch.tensor([0]), torch.tensor([lengths[0]]),
+                                      torch.tensor([16 * width]), tables[:1], d ** -0.5)

@@ -9,42 +9,24 @@
 // bfloat16 once, with the bias added in float32 first, as oneDNN does.
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/extension.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include "float_storage.h"
 
 #include <cstring>
 
 namespace {
 
-constexpr int64_t kTileRows = 16;  // rows of x per A tile, k-pairs per B tile
-constexpr int64_t kTileK = 32;     // bfloat16 values of k per tile row
-constexpr int64_t kBlockN = 16;    // output columns per B / C tile
+using infer::configure_tiles;
+using infer::kBlockN;
+using infer::kTileK;
+using infer::kTileRows;
 constexpr int64_t kPrefetchTiles = 4;  // how far ahead of its loads a thread prefetches weights
 constexpr int64_t kRowBlockBytes = 512 << 10;  // rows of x worked on together: kept in L2
 
-// The tile shapes used: eight 16 x 64-byte tiles. tmm0-3 accumulate C (2 row tiles x 2 column
-// tiles), tmm4-5 hold rows of x, tmm6-7 hold weights.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.colsb[t] = 64;
-    cfg.rows[t] = kTileRows;
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// out[m, n0:n0+32] for rows m0 .. m0+rows-1 (rows <= 32), from x as tiles.
+// out[m, n0:n0+32] for rows m0 .. m0+rows-1 (rows <= 32), from x as tiles. tmm0-3 accumulate C
+// (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold weights.
 void column_pair(const at::BFloat16* x_tiles, int64_t m0, int64_t rows, int64_t K, const at::BFloat16* w_blocks,
                  int64_t n0, const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride) {
   const int64_t kblocks = K / kTileK;
@@ -100,13 +82,6 @@ void column_pair(const at::BFloat16* x_tiles, int64_t m0, int64_t rows, int64_t 
 }
 
 }  // namespace
-
-// Asks the kernel for permission to use AMX tile data in this process (Linux 5.16+); false if refused.
-bool enable_amx() {
-  constexpr int kArchReqXcompPerm = 0x1023;
-  constexpr int kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
 
 // x: [M, K] bfloat16, any strides; w_blocks: the weight as packed by kernels/amx_linear.py,
 // [N / 16, K / 32, 16, 32] bfloat16; bias: [N] bfloat16 or None. Returns [M, N] bfloat16.
@@ -166,6 +141,6 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("enable_amx", &enable_amx, "request AMX tile permission for this process");
+  m.def("enable_amx", &infer::enable_amx, "request AMX tile permission for this process");
   m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T + b on AMX tiles (weights packed by amx_linear.py)");
 }

@@ -109,14 +109,9 @@ inline __m512 load16(const at::BFloat16* p) {
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512i bf16_bits(__m512 v) {  // float32 bits rounded to the nearest even bfloat16, in the high half
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-}
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_bits(v), 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16)));
 }
 inline void store16(at::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -124,7 +119,7 @@ inline void store16(at::Half* p, __m512 v) {
 // v rounded to T and back, as a torch op writing T and the next reading it would do.
 inline __m512 round16(__m512 v, float) { return v; }
 inline __m512 round16(__m512 v, at::BFloat16) {
-  return _mm512_castsi512_ps(_mm512_and_si512(bf16_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  return _mm512_castsi512_ps(_mm512_and_si512(infer::bf16_round_bits(v), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline __m512 round16(__m512 v, at::Half) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));

@@ -24,6 +24,13 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// float32 bits rounded to the nearest even bfloat16, which sits in the high half of each lane.
+inline __m512i bf16_round_bits(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
 }  // namespace infer
 
 #endif

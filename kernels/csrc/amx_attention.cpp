@@ -1,0 +1,232 @@
+// Attention of prompt chunks that follow cached tokens, on Intel AMX tiles, straight over the paged
+// KV cache (bfloat16).
+//
+// A request whose system prompt is cached computes a short chunk (~30 tokens) that attends to the
+// whole context (~430 tokens). torch's flash SDPA needs the context gathered and padded first, and
+// spends ~0.3 ms a layer on such small shapes (a burst of 31 chunks: 11 ms a layer). Here one task
+// per (chunk, KV head) takes the rows of the query heads sharing that KV head, and in two passes
+// over the context computes scores S = Q K^T on tiles, a masked softmax per row in float32, and
+// O = P V on tiles, normalising in float32 at the end. K and V are rearranged per task into the
+// tile layout (dimension pairs, token pairs), reading the cache in place through the block table.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include "amx_tiles.h"
+#include "float_storage.h"
+#include "simd_math.h"
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using infer::kTileK;
+using infer::kTileRows;
+constexpr int64_t kBlock = 16;  // tokens per cache block: one B tile's columns
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// A task's scratch space, left uninitialised: every element is written before it is read.
+template <typename T>
+struct Buffer {
+  explicit Buffer(int64_t n) : p(new T[n]) {}
+  T* data() { return p.get(); }
+  std::unique_ptr<T[]> p;
+};
+
+struct Task {
+  const at::BFloat16* q;
+  int64_t q_row, q_head;  // strides of q [T, heads, d]
+  const at::BFloat16* k_cache;
+  const at::BFloat16* v_cache;
+  int64_t kv_heads, d;
+  at::BFloat16* out;
+  int64_t out_row, out_head;
+  float scale;
+};
+
+// One chunk's rows for KV head h: rows r = g * n + i are query head h * group + g at chunk row i.
+void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const int64_t* table, int64_t h,
+                int64_t group) {
+  const int64_t d = t.d, dk = d / kTileK, len = cached + n;
+  const int64_t rows = group * n, rows_pad = round_up(rows, kTileRows);
+  const int64_t keys16 = round_up(len, kBlock), keys32 = round_up(len, 2 * kBlock);
+  const int64_t token_row = t.kv_heads * d;  // elements between consecutive tokens of a cache block
+
+  // Q as A tiles: [row tile][d / 32][16][32]
+  Buffer<at::BFloat16> qt(rows_pad * d);
+  for (int64_t r = 0; r < rows_pad; ++r) {
+    at::BFloat16* dst = qt.data() + (r / kTileRows) * dk * kTileRows * kTileK + (r % kTileRows) * kTileK;
+    for (int64_t c = 0; c < dk; ++c, dst += kTileRows * kTileK) {
+      if (r < rows) {
+        const at::BFloat16* src = t.q + (start + r % n) * t.q_row + (h * group + r / n) * t.q_head + c * kTileK;
+        std::memcpy(dst, src, kTileK * sizeof(at::BFloat16));
+      } else {
+        std::memset(dst, 0, kTileK * sizeof(at::BFloat16));
+      }
+    }
+  }
+  // K^T as B tiles, per block of 16 tokens and 32 dimensions: row p holds, for each token, the
+  // pair of dimensions (2p, 2p + 1): the 32-bit words of the key rows, transposed.
+  Buffer<uint32_t> kt(keys16 / kBlock * dk * kTileRows * kBlock);
+  for (int64_t b = 0; b < keys16 / kBlock; ++b) {
+    const uint32_t* block = reinterpret_cast<const uint32_t*>(t.k_cache + (table[b] * kBlock * t.kv_heads + h) * d);
+    for (int64_t c = 0; c < dk; ++c) {
+      uint32_t* tile = kt.data() + (b * dk + c) * kTileRows * kBlock;
+      for (int64_t tok = 0; tok < kBlock; ++tok)
+        for (int64_t p = 0; p < kTileRows; ++p) tile[p * kBlock + tok] = block[tok * token_row / 2 + c * kTileRows + p];
+    }
+  }
+  // S = Q K^T, float32 [rows_pad][keys16]
+  Buffer<float> s(rows_pad * keys16);
+  for (int64_t rt = 0; rt < rows_pad / kTileRows; ++rt)
+    for (int64_t b = 0; b < keys16 / kBlock; ++b) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < dk; ++c) {
+        _tile_loadd(1, qt.data() + (rt * dk + c) * kTileRows * kTileK, 64);
+        _tile_loadd(2, kt.data() + (b * dk + c) * kTileRows * kBlock, 64);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, s.data() + rt * kTileRows * keys16 + b * kBlock, keys16 * sizeof(float));
+    }
+  // softmax per row over the keys it may see (up to cached + i), as bfloat16 P [rows_pad][keys32],
+  // unnormalised (exp(s - max) in [0, 1]); 1 / sum kept in float32 for the end
+  Buffer<at::BFloat16> pt(rows_pad * keys32);
+  std::vector<float> inv_sum(rows_pad, 0.f);
+  const __m512 vscale = _mm512_set1_ps(t.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = cached + r % n + 1;
+    const float* sr = s.data() + r * keys16;
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < visible; j += 16) {
+      const __mmask16 lanes = visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1);
+      vmax = _mm512_mask_max_ps(vmax, lanes, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sr + j), vscale));
+    }
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    __m512 vsum = _mm512_setzero_ps();
+    at::BFloat16* pr = pt.data() + r * keys32;
+    for (int64_t j = 0; j < keys32; j += 16) {
+      const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, visible - j));
+      const __mmask16 lanes = left == 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+      const __m512 e = _mm512_maskz_mov_ps(
+          lanes, infer::exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sr + j), vscale), m)));
+      const __m512i rounded = infer::bf16_round_bits(e);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+      // the sum of what P V multiplies: the rounded values
+      vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+    }
+    inv_sum[r] = 1.f / _mm512_reduce_add_ps(vsum);
+  }
+  for (int64_t r = rows; r < rows_pad; ++r) std::memset(pt.data() + r * keys32, 0, keys32 * sizeof(at::BFloat16));
+  // V as B tiles, per 32 tokens and 16 dimensions: row p holds, for each dimension, tokens 2p and
+  // 2p + 1. Tokens past the context are zero (their cache slots may hold anything).
+  const int64_t dv = d / kTileRows;
+  Buffer<at::BFloat16> vt(keys32 / (2 * kBlock) * dv * kTileRows * 2 * kTileRows);
+  const auto token_row_at = [&](int64_t tok) {
+    return t.v_cache + ((table[tok / kBlock] * kBlock + tok % kBlock) * t.kv_heads + h) * d;
+  };
+  for (int64_t g = 0; g < keys32 / (2 * kBlock); ++g)
+    for (int64_t p = 0; p < kTileRows; ++p) {
+      const int64_t tok = g * 2 * kBlock + 2 * p;
+      const at::BFloat16* r0 = tok < len ? token_row_at(tok) : nullptr;
+      const at::BFloat16* r1 = tok + 1 < len ? token_row_at(tok + 1) : nullptr;
+      for (int64_t c = 0; c < dv; ++c) {
+        // 16 dimensions of two tokens as 16 words (token 2p low, 2p + 1 high): one tile row
+        const __m512i lo = r0 != nullptr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               reinterpret_cast<const __m256i*>(r0 + c * kTileRows)))
+                                         : _mm512_setzero_si512();
+        const __m512i hi = r1 != nullptr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                               reinterpret_cast<const __m256i*>(r1 + c * kTileRows)))
+                                         : _mm512_setzero_si512();
+        _mm512_storeu_si512(vt.data() + (g * dv + c) * kTileRows * 2 * kTileRows + p * 2 * kTileRows,
+                            _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+    }
+  // O = P V, four 16-dimension column tiles at a time (tmm0-3), normalised and rounded at the end
+  alignas(64) float o[kTileRows][4 * kTileRows];
+  for (int64_t rt = 0; rt < rows_pad / kTileRows; ++rt)
+    for (int64_t c0 = 0; c0 < dv; c0 += 4) {
+      const int64_t cols = std::min<int64_t>(4, dv - c0);
+      _tile_zero(0);  // tile numbers must be constants: all four, used or not
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t g = 0; g < keys32 / (2 * kBlock); ++g) {
+        _tile_loadd(4, pt.data() + rt * kTileRows * keys32 + g * 2 * kBlock, keys32 * sizeof(at::BFloat16));
+        _tile_loadd(5, vt.data() + (g * dv + c0) * kTileRows * 2 * kTileRows, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (cols > 1) {
+          _tile_loadd(5, vt.data() + (g * dv + c0 + 1) * kTileRows * 2 * kTileRows, 64);
+          _tile_dpbf16ps(1, 4, 5);
+        }
+        if (cols > 2) {
+          _tile_loadd(5, vt.data() + (g * dv + c0 + 2) * kTileRows * 2 * kTileRows, 64);
+          _tile_dpbf16ps(2, 4, 5);
+        }
+        if (cols > 3) {
+          _tile_loadd(5, vt.data() + (g * dv + c0 + 3) * kTileRows * 2 * kTileRows, 64);
+          _tile_dpbf16ps(3, 4, 5);
+        }
+      }
+      _tile_stored(0, &o[0][0], sizeof(o[0]));
+      if (cols > 1) _tile_stored(1, &o[0][kTileRows], sizeof(o[0]));
+      if (cols > 2) _tile_stored(2, &o[0][2 * kTileRows], sizeof(o[0]));
+      if (cols > 3) _tile_stored(3, &o[0][3 * kTileRows], sizeof(o[0]));
+      for (int64_t x = 0; x < kTileRows; ++x) {
+        const int64_t r = rt * kTileRows + x;
+        if (r >= rows) break;
+        at::BFloat16* dst = t.out + (start + r % n) * t.out_row + (h * group + r / n) * t.out_head + c0 * kTileRows;
+        for (int64_t y = 0; y < cols * kTileRows; ++y) dst[y] = infer::from_float<at::BFloat16>(o[x][y] * inv_sum[r]);
+      }
+    }
+}
+
+}  // namespace
+
+// q [T, heads, d] bfloat16 (rows may be strided, heads contiguous); k_cache, v_cache [blocks, 16,
+// kv_heads, d]; out [T, heads, d], written at the chunks' rows only. Chunk c has query rows
+// starts[c] .. + lengths[c], follows cached[c] tokens, and reads its blocks from tables[c].
+void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
+                     torch::Tensor starts, torch::Tensor lengths, torch::Tensor cached, torch::Tensor tables,
+                     double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, "chunk_attention: bfloat16 only");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "chunk_attention: q must be [T, heads, d]");
+  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "chunk_attention: out must be contiguous, q's shape");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == kBlock && k_cache.size(3) == q.size(2),
+              "chunk_attention: caches must be contiguous [blocks, 16, kv_heads, d]");
+  const int64_t d = q.size(2), heads = q.size(1), kv_heads = k_cache.size(2);
+  TORCH_CHECK(d % kTileK == 0 && heads % kv_heads == 0, "chunk_attention: d must be a multiple of 32");
+  for (const auto& x : {starts, lengths, cached, tables})
+    TORCH_CHECK(x.scalar_type() == at::kLong && x.is_contiguous(), "chunk_attention: int64 contiguous indices");
+  const int64_t chunks = starts.numel(), width = tables.size(1);
+  const int64_t *st = starts.data_ptr<int64_t>(), *ln = lengths.data_ptr<int64_t>(), *ca = cached.data_ptr<int64_t>();
+  const int64_t* tb = tables.data_ptr<int64_t>();
+  for (int64_t c = 0; c < chunks; ++c) {
+    TORCH_CHECK(ln[c] > 0 && st[c] >= 0 && st[c] + ln[c] <= q.size(0) && ca[c] >= 0 &&
+                    (ca[c] + ln[c] + kBlock - 1) / kBlock <= width,
+                "chunk_attention: chunk ", c, " does not fit its rows or block table");
+    for (int64_t b = 0; b < (ca[c] + ln[c] + kBlock - 1) / kBlock; ++b)
+      TORCH_CHECK(tb[c * width + b] >= 0 && tb[c * width + b] < k_cache.size(0), "chunk_attention: block out of range");
+  }
+  const Task task{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
+                  v_cache.data_ptr<at::BFloat16>(), kv_heads, d, out.data_ptr<at::BFloat16>(), out.stride(0),
+                  out.stride(1), static_cast<float>(scale)};
+  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    infer::configure_tiles();
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i / kv_heads;
+      chunk_head(task, st[c], ln[c], ca[c], tb + c * width, i % kv_heads, heads / kv_heads);
+    }
+    _tile_release();
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("enable_amx", &infer::enable_amx, "request AMX tile permission for this process");
+  m.def("chunk_attention", &chunk_attention, "attention of prompt chunks after cached tokens on AMX tiles (CPU)");
+}

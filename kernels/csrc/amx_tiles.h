@@ -1,0 +1,41 @@
+// What the AMX kernels share: tile shapes, the tile configuration, and the permission to use tiles.
+#pragma once
+
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+
+namespace infer {
+
+constexpr int64_t kTileRows = 16;  // rows of an A tile, k-pairs of a B tile
+constexpr int64_t kTileK = 32;     // bfloat16 values of k per tile row
+constexpr int64_t kBlockN = 16;    // output columns per B / C tile
+
+// Every kernel here uses eight tiles of 16 rows x 64 bytes; what each holds is the kernel's business.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = kTileRows;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Asks the kernel for permission to use AMX tile data in this process (Linux 5.16+); false if refused.
+inline bool enable_amx() {
+  constexpr int kArchReqXcompPerm = 0x1023;
+  constexpr int kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace infer
