@@ -11,19 +11,13 @@ from functools import lru_cache
 
 import torch
 
-from .extension import build
+from .extension import build_amx
 
 
 @lru_cache(maxsize=1)
 def load() -> object | None:
     """The compiled module (``chunk_attention``), or None where AMX cannot be used."""
-    if not torch.cpu._is_amx_tile_supported():
-        return None
-    module = build("infer_amx_attention", "amx_attention.cpp",
-                   ["-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"])
-    if module is None or not module.enable_amx():
-        return None
-    return module
+    return build_amx("infer_amx_attention", "amx_attention.cpp")
 
 
 def fits(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

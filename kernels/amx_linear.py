@@ -10,7 +10,7 @@ from functools import lru_cache
 
 import torch
 
-from .extension import build
+from .extension import build_amx
 
 TILE_K = 32  # bfloat16 values of k per tile row
 BLOCK_N = 16  # output columns per tile
@@ -19,12 +19,7 @@ BLOCK_N = 16  # output columns per tile
 @lru_cache(maxsize=1)
 def load() -> object | None:
     """The compiled module (``amx_linear``), or None where AMX cannot be used."""
-    if not torch.cpu._is_amx_tile_supported():
-        return None
-    module = build("infer_amx_linear", "amx_linear.cpp", ["-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"])
-    if module is None or not module.enable_amx():
-        return None
-    return module
+    return build_amx("infer_amx_linear", "amx_linear.cpp")
 
 
 def fits(weight: torch.Tensor) -> bool:

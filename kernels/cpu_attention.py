@@ -23,17 +23,17 @@ def load() -> object | None:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q [seqs, heads, d]; caches [blocks, block_size, kv_heads, d]; returns [seqs, heads, d]."""
-    module = load()
-    if module is None:
-        raise RuntimeError("the CPU paged-attention kernel is not available")
-    return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
-
+    return _module().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
     """Writes k, v [T, kv_heads, d] into the caches' rows ``slots`` (block * block_size + offset)."""
+    _module().store_kv_(k_cache, v_cache, slots, k, v)
+
+
+def _module():
     module = load()
     if module is None:
         raise RuntimeError("the CPU paged-attention kernel is not available")
-    module.store_kv_(k_cache, v_cache, slots, k, v)
+    return module

@@ -46,3 +46,19 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
                 pass  # cannot even write the marker: the next process simply tries again
         log.warning("C++ kernel %s unavailable (%s); using torch ops", name, reason)
         return None
+
+
+AMX_FLAGS = ["-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"]
+
+
+def build_amx(name: str, source: str) -> object | None:
+    """An AMX kernel's module, only where it can run: a CPU with AMX, a source that builds, and a
+    kernel that grants this process tile permission (the module's ``enable_amx``); else None."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    module = build(name, source, AMX_FLAGS)
+    if module is None or not module.enable_amx():
+        return None
+    return module

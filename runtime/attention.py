@@ -88,19 +88,22 @@ def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int)
     return o[0].transpose(0, 1)
 
 
+def _chunk_indices(chunks: list[PrefillChunk]):
+    """(block tables [C, width] padded with block 0, first rows, lengths, cached tokens) of chunks."""
+    width = max(len(c.blocks) for c in chunks)
+    tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])
+    return (tables, torch.tensor([c.start for c in chunks]), torch.tensor([c.length for c in chunks]),
+            torch.tensor([c.context - c.length for c in chunks]))
+
+
 class _ChunksInPlace:
     """Prompt chunks that follow cached tokens, through kernels.amx_attention: each chunk reads its
     context in place through its block table, with no gather and no padding."""
 
     def __init__(self, chunks: list[PrefillChunk], kernel):
         self.count, self.kernel = len(chunks), kernel
-        if not chunks:
-            return
-        width = max(len(c.blocks) for c in chunks)
-        self.tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])
-        self.starts = torch.tensor([c.start for c in chunks])
-        self.lengths = torch.tensor([c.length for c in chunks])
-        self.cached = torch.tensor([c.context - c.length for c in chunks])
+        if chunks:
+            self.tables, self.starts, self.lengths, self.cached = _chunk_indices(chunks)
 
     def attend(self, q, k_cache, v_cache, out) -> None:
         self.kernel(q, k_cache, v_cache, out, self.starts, self.lengths, self.cached, self.tables, q.shape[2] ** -0.5)
@@ -116,14 +119,10 @@ class _PaddedChunks:
         self.count = len(chunks)
         if not chunks:
             return
-        width = max(len(c.blocks) for c in chunks)
-        n = max(c.length for c in chunks)
-        self.n = n
-        self.tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])  # pad: block 0
+        self.tables, starts, lengths, cached = _chunk_indices(chunks)
+        width = self.tables.shape[1]
+        n = self.n = max(c.length for c in chunks)
         i = torch.arange(n)
-        starts = torch.tensor([c.start for c in chunks])
-        lengths = torch.tensor([c.length for c in chunks])
-        cached = torch.tensor([c.context - c.length for c in chunks])
         valid = i[None, :] < lengths[:, None]  # [C, n]: real query rows
         self.rows = torch.where(valid, starts[:, None] + i[None, :], 0).flatten()  # padding rows read row 0
         self.valid = valid.flatten().nonzero().flatten()

@@ -347,12 +347,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bo
     if fused_ops and dtype in (torch.float32, torch.bfloat16, torch.float16):  # the kernels' dtypes
         from infer.kernels import amx_linear, layer_ops
 
-        from .packed_linear import can_pack, pack_linears
+        from .packed_linear import pack_linears
 
         model.use_fused_ops(layer_ops.load())
-        amx = amx_linear.load() if dtype == torch.bfloat16 else None
-        if amx is not None or can_pack(dtype):
-            pack_linears(model, amx)
+        pack_linears(model, amx_linear.load() if dtype == torch.bfloat16 else None)
     return model.eval().requires_grad_(False)
 
 
