@@ -7,15 +7,18 @@ detokenization with stop strings. It is synchronous; a server drives ``step()`` 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from infer.kernels.resolver import resolve
+
 from .artifact import verify_artifact
 from .block_manager import BlockManager
-from .model import load_model
+from .model import ModelConfig, load_model
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
@@ -23,6 +26,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
+log = logging.getLogger("infer.engine")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -37,8 +41,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # auto | cpp (compiled CPU kernels) | torch (plain torch ops: gather + SDPA, unfused norm/rotary)
-    attention_backend: str = "auto"
+    # auto | cpp (compiled CPU kernels) | torch (plain torch ops: gather + SDPA, unfused norm/rotary);
+    # amx: None where the CPU has AMX, False never (the non-AMX path), True required (infer.kernels.resolver)
+    kernels: str = "auto"
+    amx: bool | None = None
 
 
 @dataclass
@@ -109,9 +115,13 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.artifact.path)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
-        self.model = load_model(self.artifact.path, _DTYPES.get(cfg.dtype) if cfg.dtype else None,
-                                fused_ops=cfg.attention_backend != "torch")
-        mcfg = self.model.config
+        dtype = _DTYPES.get(cfg.dtype) if cfg.dtype else None
+        mcfg = ModelConfig.from_hf(self.artifact.config)
+        # the dtype the model will run in decides the kernels; load_model settles the artifact's default
+        self.model = load_model(self.artifact.path, dtype, lambda d: resolve(
+            cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size))
+        self.kernels = self.model.kernels
+        log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
         per_block = kv_bytes_per_block(self.model, cfg.block_size, self.model.dtype)
@@ -126,7 +136,7 @@ class LLMEngine:
                                           model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, cfg.attention_backend)
+        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.kernels)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}

@@ -306,12 +306,13 @@ def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
     return torch.bfloat16 if weight_only_int4 and stored == torch.float32 else stored
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bool = True) -> Transformer:
+def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto") -> Transformer:
     """Builds the model from an HF-format directory (config.json + safetensors).
 
-    ``fused_ops``: RMSNorm and rotary through the C++ kernels of kernels/layer_ops when they build,
-    and bfloat16 linears with weights prepacked for AMX tiles or oneDNN (runtime/packed_linear.py): the same
-    values up to rounding, in less time. False keeps every step in plain torch ops."""
+    ``kernels``: a ``KernelSet`` from infer.kernels.resolver, a function of the compute dtype giving
+    one, or a backend name for the resolver (``auto``: RMSNorm, rotary and SiLU through kernels/layer_ops and bfloat16 linears prepacked for
+    AMX tiles or oneDNN, runtime/packed_linear.py; ``torch``: every step in plain torch ops). The
+    choice changes speed and rounding, not the maths."""
     path = Path(path)
     cfg = ModelConfig.from_dir(path)
     hf = read_state_dict(path)
@@ -327,6 +328,12 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bo
         quantized = take_quantized(hf, hf_config["quantization_config"], cfg.num_layers)
     state = fuse_hf_state_dict(hf, cfg, set(quantized))
     dtype = dtype or _compute_dtype(state["embed_tokens.weight"].dtype, quantized)
+    if isinstance(kernels, str):
+        from infer.kernels.resolver import resolve
+
+        kernels = resolve(kernels, dtype=dtype, head_dim=cfg.head_dim)
+    elif callable(kernels):
+        kernels = kernels(dtype)
     with torch.device("meta"):
         model = Transformer(cfg)
     state = {k: v.to(dtype) for k, v in state.items()}
@@ -344,13 +351,12 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, fused_ops: bo
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
-    if fused_ops and dtype in (torch.float32, torch.bfloat16, torch.float16):  # the kernels' dtypes
-        from infer.kernels import amx_linear, layer_ops
-
+    model.use_fused_ops(kernels.layer_ops if dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
+    if dtype == torch.bfloat16 and kernels.linear_kernel(dtype) != "torch":
         from .packed_linear import pack_linears
 
-        model.use_fused_ops(layer_ops.load())
-        pack_linears(model, amx_linear.load() if dtype == torch.bfloat16 else None)
+        pack_linears(model, kernels.amx_linear, kernels.onednn_linear)
+    model.kernels = kernels
     return model.eval().requires_grad_(False)
 
 

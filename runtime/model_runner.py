@@ -20,33 +20,6 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
     return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
 
 
-def _attention_kernels(backend: str):
-    """(decode attention, KV store) of the compiled CPU kernel: ``auto`` when it builds, ``cpp`` or
-    fail; ``torch`` (None, None): gather + SDPA and index_copy_."""
-    if backend not in ("auto", "torch", "cpp"):
-        raise ValueError(f"attention_backend={backend!r}: choose auto, torch or cpp")
-    if backend == "torch":
-        return None, None
-    from infer.kernels import cpu_attention
-
-    if cpu_attention.load() is None:
-        if backend == "cpp":
-            raise RuntimeError("attention_backend=cpp but the CPU kernel could not be built (see the warning above)")
-        return None, None
-    return cpu_attention.paged_decode_attention, cpu_attention.store_kv_
-
-
-def _chunk_kernel(backend: str, dtype: torch.dtype, head_dim: int, block_size: int):
-    """kernels.amx_attention's chunk attention where the CPU has AMX and the cache fits it; else None
-    (gather + SDPA). ``torch`` keeps plain torch ops."""
-    if backend == "torch":
-        return None
-    from infer.kernels import amx_attention
-
-    module = amx_attention.load() if amx_attention.fits(dtype, head_dim, block_size) else None
-    return module.chunk_attention if module is not None else None
-
-
 @dataclass
 class StepOutput:
     sampled: list[Sequence]  # sequences that reached their last token: one new token each
@@ -55,10 +28,11 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto"):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels):
+        """``kernels``: the KernelSet the model was loaded with (infer.kernels.resolver)."""
         cfg = model.config
-        self.decode_kernel, self.store_kv = _attention_kernels(attention_backend)
-        self.chunk_kernel = _chunk_kernel(attention_backend, model.dtype, cfg.head_dim, block_size)
+        self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
+        self.chunk_kernel = kernels.chunk_attention
         self.model = model
         self.block_size = block_size
         self.kv_cache = torch.empty(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,

@@ -19,12 +19,10 @@ differently, so results agree to bfloat16 rounding rather than bit for bit.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 from torch import nn
 
-from infer.kernels import amx_linear
+from infer.kernels import amx_linear, onednn
 
 
 class PackedLinear(nn.Module):
@@ -37,7 +35,7 @@ class PackedLinear(nn.Module):
         if self.amx is not None:
             self.packed_weight = amx_linear.pack(weight)
         else:
-            self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight)
+            self.packed_weight = onednn.pack(weight)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -46,7 +44,7 @@ class PackedLinear(nn.Module):
         if self.amx is not None:
             y = self.amx.amx_linear(x, self.packed_weight, self.bias)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            y = onednn.linear(x, self.packed_weight, self.bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -54,29 +52,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={kernel}"
 
 
-@lru_cache(maxsize=None)
-def can_pack(dtype: torch.dtype) -> bool:
-    """Whether this torch and CPU pack ``dtype`` weights for oneDNN (bfloat16, with bf16 instructions)."""
-    if dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        linear = nn.Linear(32, 16, bias=False, dtype=dtype).requires_grad_(False)
-        x = torch.randn(3, 32, dtype=dtype)
-        return torch.allclose(PackedLinear(linear)(x).float(), linear(x).float(), atol=1e-2)
-    except (RuntimeError, AttributeError):  # a build without these mkldnn ops, a CPU without bf16
-        return False
-
-
-def pack_linears(model: nn.Module, amx=None) -> int:
+def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True) -> int:
     """Swaps the decoder layers' plain bfloat16 ``nn.Linear``s for PackedLinears; returns how many.
 
-    With ``amx`` (kernels.amx_linear's module) the LM head is packed too, when its shape fits:
-    the embedding keeps its own plain copy for lookups. oneDNN's layout gains nothing there."""
+    ``amx``: kernels.amx_linear's module (the kernel resolver's choice), or None for oneDNN's layout
+    (where ``onednn_ok``). With ``amx`` the LM head is packed too, when its shape fits: the
+    embedding keeps its own plain copy for lookups. oneDNN's layout gains nothing there."""
     count = 0
     for layer in model.layers:
         for name, module in list(layer.named_modules()):
             if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and \
-                    (amx is not None and amx_linear.fits(module.weight) or can_pack(torch.bfloat16)):
+                    (amx is not None and amx_linear.fits(module.weight) or onednn_ok):
                 parent, _, attr = name.rpartition(".")
                 setattr(layer.get_submodule(parent) if parent else layer, attr, PackedLinear(module, amx))
                 count += 1

@@ -3,13 +3,49 @@
 from __future__ import annotations
 
 import os
+import random
+import secrets
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def _amx_modes():
+    """Both linear/attention paths where the host can run both: AMX forced off (what every non-AMX
+    host runs) and on. On a host without AMX the AMX case is skipped, and the reason says so."""
+    from infer.kernels.resolver import cpu_has_amx
+
+    return [pytest.param(False, id="no-amx"),
+            pytest.param(True, id="amx", marks=pytest.mark.skipif(
+                not cpu_has_amx(), reason="this CPU has no AMX: only the no-amx path can run here, and it did"))]
+
+
+AMX_MODES = _amx_modes()
+
+
+@pytest.fixture(autouse=True)
+def fresh_seed(request) -> int:
+    """Seeds torch and random afresh for every test and prints the seed (and names it in a failure
+    report): ``INFER_TEST_SEED=N`` gives a failing test the same random inputs again."""
+    seed = int(os.environ.get("INFER_TEST_SEED") or secrets.randbelow(2**31))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    print(f"seed {seed} (INFER_TEST_SEED={seed} reproduces it)")
+    return seed
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    seeds = [v for k, v in item.user_properties if k == "seed"]
+    if report.failed and seeds:
+        report.sections.append(("random inputs", f"rerun with INFER_TEST_SEED={seeds[0]} for the same inputs"))
 
 
 @pytest.fixture(scope="session")

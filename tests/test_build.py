@@ -142,7 +142,6 @@ def test_tampered_artifact_is_refused(embedded_artifact, tmp_path):
 
 # ---------------------------------------------------------------- sources
 def _tiny_llama(path: Path, shard: str | None = None) -> transformers.PreTrainedModel:
-    torch.manual_seed(torch.seed() % 2**31)
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     model = transformers.LlamaForCausalLM(cfg).eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import AMX_MODES
 from infer.runtime import LLM, LLMEngine, SamplingParams
 from infer.runtime.model import ModelConfig
 
@@ -39,13 +40,13 @@ def hf_greedy(hf_reference, prompts, embedded_llm):
     return outs
 
 
-@pytest.mark.parametrize("backend", ["cpp", "torch"])
+@pytest.mark.parametrize("kernels", ["cpp", "torch"])
 def test_greedy_batch_matches_transformers_with_chunking_prefix_cache_and_preemption(
-        embedded_artifact, prompts, hf_greedy, backend):
+        embedded_artifact, prompts, hf_greedy, kernels):
     cfg = ModelConfig.from_dir(embedded_artifact)
     per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V of 16 tokens
     # 20 blocks: far fewer than 16 sequences of ~60 tokens need, so preemption must happen
-    llm = LLM(embedded_artifact, attention_backend=backend, max_num_batched_tokens=48, max_num_seqs=16,
+    llm = LLM(embedded_artifact, kernels=kernels, max_num_batched_tokens=48, max_num_seqs=16,
               kv_cache_memory=20 * per_block)
     assert llm.engine.num_blocks == 20
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -145,14 +146,15 @@ def test_prompt_over_context_limit(embedded_artifact):
     assert out.finish_reason == "length" and len(out.token_ids) == 4  # the context limit ends it
 
 
-def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embedded_artifact, hf_reference):
-    """The serving dtype through AMX / oneDNN linears and the fused kernels, against transformers in
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embedded_artifact, hf_reference, amx):
+    """The serving dtype through AMX or oneDNN linears and the fused kernels, against transformers in
     float32: no further from it than bfloat16 through plain torch ops, on fresh text."""
     import random
 
     from pydoc_data.topics import topics
 
-    from infer.kernels import amx_linear
+    from infer.kernels.resolver import resolve
     from infer.runtime.model import load_model
     from infer.runtime.packed_linear import PackedLinear
     from quant_helpers import compare_logits
@@ -163,39 +165,49 @@ def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embe
     ids = torch.tensor([tok.encode(text[start:start + 4000])[:160]])
     with torch.no_grad():
         ref = ref_model(ids).logits[0].float()
-    fast = load_model(embedded_artifact, torch.bfloat16)
-    plain = load_model(embedded_artifact, torch.bfloat16, fused_ops=False)
+    kernels = resolve("cpp", amx=amx, dtype=torch.bfloat16)
+    fast = load_model(embedded_artifact, torch.bfloat16, kernels)
+    plain = load_model(embedded_artifact, torch.bfloat16, "torch")
+    print("kernels", kernels.describe(torch.bfloat16))
     assert type(fast.layers[0].mlp.gate_up_proj) is PackedLinear
-    assert type(fast.lm_head) is (PackedLinear if amx_linear.load() is not None else torch.nn.Linear)
+    assert ("kernel=amx" in repr(fast.layers[0].mlp.gate_up_proj)) == amx
+    assert type(fast.lm_head) is (PackedLinear if amx else torch.nn.Linear)
     assert type(plain.layers[0].mlp.gate_up_proj) is torch.nn.Linear
     got, base = compare_logits(fast.logits(ids)[0], ref), compare_logits(plain.logits(ids)[0], ref)
     assert base["mean_kl"] > 0  # bfloat16 does move the logits: the comparison has something to measure
     assert got["mean_kl"] <= 1.5 * base["mean_kl"] + 1e-4 and got["top1"] >= base["top1"] - 0.05, (got, base)
 
 
-def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_artifact):
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_artifact, amx):
     """Chunked prefill in bfloat16: every chunk after the first attends to the tokens cached before
-    it, through the AMX chunk kernel where the CPU has AMX. Its prompt logprobs must match one causal
-    pass over the whole prompt as closely as the plain torch path's (gather + SDPA) do."""
+    it, through the AMX chunk kernel where AMX is on, gather + padded SDPA where it is off. Its prompt
+    logprobs must match one causal pass over the whole prompt as closely as the plain torch path's do.
+
+    Most tokens agree exactly; a few differ by a bfloat16 rounding flip somewhere in 30 layers, so the
+    largest difference is the maximum of a handful of flips and swings from text to text: measured over
+    8 texts, 0.017-0.12 nats for the torch path and 0.025-0.18 for the kernels (no AMX, where chunk
+    attention is torch's but the linears are oneDNN's, blocked differently for 32 rows than for 150).
+    So the mean is compared with the torch path's on the same text, and the maximum with 0.25 nats,
+    twice the torch path's largest."""
     import random
 
     from pydoc_data.topics import topics
 
-    from infer.kernels import amx_attention
-
     text = "".join(topics.values())
     start = random.randrange(len(text) - 3000)
     diffs = {}
-    for backend in ("auto", "torch"):
-        llm = LLM(embedded_artifact, dtype="bfloat16", attention_backend=backend, max_num_batched_tokens=32,
-                  kv_cache_memory=64 << 20)
-        assert (llm.engine.runner.chunk_kernel is not None) == (backend == "auto" and amx_attention.load() is not None)
+    for kernels in ("cpp", "torch"):
+        llm = LLM(embedded_artifact, dtype="bfloat16", kernels=kernels, amx=amx if kernels == "cpp" else None,
+                  max_num_batched_tokens=32, kv_cache_memory=64 << 20)
+        print(kernels, llm.engine.kernels.describe(torch.bfloat16))
+        assert (llm.engine.runner.chunk_kernel is not None) == (kernels == "cpp" and amx)
         ids = llm.tokenizer.encode(text[start:start + 3000])[:150]
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
         assert llm.engine.stats["steps"] >= 150 // 32  # the prompt went in chunks
         dense = llm.engine.model.logits(torch.tensor([ids]))[0].float().log_softmax(-1)
-        diffs[backend] = torch.tensor([abs(out.prompt_logprobs[j]["logprob"] - dense[j - 1, ids[j]].item())
+        diffs[kernels] = torch.tensor([abs(out.prompt_logprobs[j]["logprob"] - dense[j - 1, ids[j]].item())
                                        for j in range(1, len(ids))])
     assert 0 < diffs["torch"].mean() < 0.1  # bfloat16 attention rounding, summed over 30 layers
-    assert diffs["auto"].mean() <= 1.5 * diffs["torch"].mean() + 0.01, diffs
-    assert diffs["auto"].max() <= 1.5 * diffs["torch"].max() + 0.1, diffs
+    assert diffs["cpp"].mean() <= 1.5 * diffs["torch"].mean() + 0.01, diffs
+    assert diffs["cpp"].max() <= 0.25, diffs

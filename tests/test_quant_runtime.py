@@ -11,14 +11,19 @@ were chosen.
 
 Tolerances, and why:
 - ``dequant`` backend (dequantize a layer, fake-quantize activations, float32 matmul) with the
-  model's plain torch ops (``fused_ops=False``): the same arithmetic in the same order as
+  model's plain torch ops (``kernels="torch"``): the same arithmetic in the same order as
   transformers, so logits agree to float32 rounding (max |diff| <= 1e-4 x the logit scale). The
   fused RMSNorm sums its squares in another order (tests/test_layer_ops.py); through the
   dynamic-activation schemes that is one more source of rounding flips, covered below.
 - weight-only int4 (``cpu-int4``): the kernel runs in bfloat16 (8 mantissa bits on activations and
-  scales, float32 accumulation), and by default so does the rest of the model (W4A16): mean
-  KL(ref || ours) <= 2e-3 nats/token, top-1 agreement >= 95%, and greedy continuations of a
-  prompt set identical.
+  scales, float32 accumulation), and by default so does the rest of the model (W4A16). Its error
+  budget is what bfloat16 computation of the same quantized model costs: the reference arithmetic
+  (dequantized weights, plain torch ops) run in bfloat16 sets the floor, measured 0.0018-0.0023
+  nats/token on the evaluation text, with the kernel path at 0.9-1.0x of it (non-AMX host). The
+  kernel path may be at most 1.5x that floor's mean KL(ref || ours), with top-1 agreement no more
+  than 3 points below the floor's, and greedy continuations of a prompt set identical. It runs with
+  AMX forced off (the path of every non-AMX host: oneDNN's bfloat16 LM head) and, where the CPU has
+  AMX, on (the LM head on AMX tiles).
 - weight-only int8 (``cpu-int8-weight``, float32): max |diff| <= 1e-3 x scale (summation order only).
 - dynamic-activation schemes (``cpu-w8a8``: int32 accumulation; ``cpu-fp8``): per-token rounding
   of activations to 8 bits is discontinuous, so a 1e-7 difference in summation order flips some
@@ -37,6 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import AMX_MODES
 from quant_helpers import compare_logits, rtn_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -106,10 +112,16 @@ def _float64_dequant(self, x):
     return (x.double() @ w.dequantize(torch.float64).t()).to(x.dtype)
 
 
-@pytest.mark.parametrize("scheme", list(KERNEL))
-def test_runtime_matches_transformers(scheme, ckpts, fresh_ids, embedded_artifact, monkeypatch):
+# W4A16 runs in bfloat16, whose linears the AMX switch changes: both paths; the others run in float32
+CASES = [pytest.param("w4a16", m.values[0], id=f"w4a16-{m.id}", marks=m.marks) for m in AMX_MODES] + \
+    [pytest.param(s, None, id=s) for s in KERNEL if s != "w4a16"]
+
+
+@pytest.mark.parametrize("scheme, amx", CASES)
+def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_artifact, monkeypatch):
     import transformers
 
+    from infer.kernels.resolver import resolve
     from infer.pipeline.config import compose_recipe
     from infer.runtime.model import load_model
     from infer.runtime.quant_linear import DequantLinear, disabled_backends, quantized_modules
@@ -120,7 +132,8 @@ def test_runtime_matches_transformers(scheme, ckpts, fresh_ids, embedded_artifac
     with torch.no_grad():
         ref_logits = ref(fresh_ids).logits[0].float()
 
-    ours = load_model(path)
+    ours = load_model(path, None, lambda dtype: resolve("cpp", amx=amx, dtype=dtype))
+    print(scheme, "kernels", ours.kernels.describe(ours.dtype))
     # W4A16 runs in bfloat16 by default (its activations are 16-bit; runtime.model._compute_dtype)
     assert ours.dtype == (torch.bfloat16 if scheme == "w4a16" else torch.float32)
     backends = quantized_modules(ours)
@@ -132,13 +145,18 @@ def test_runtime_matches_transformers(scheme, ckpts, fresh_ids, embedded_artifac
     kernel = compare_logits(ours.logits(fresh_ids)[0], ref_logits)
 
     with disabled_backends(*KERNELS):
-        exact_model = load_model(path, torch.float32, fused_ops=False)  # transformers' own ops, in its dtype
+        exact_model = load_model(path, torch.float32, "torch")  # transformers' own ops, in its dtype
     assert set(quantized_modules(exact_model).values()) == {"dequant"}
     exact = compare_logits(exact_model.logits(fresh_ids)[0], ref_logits)
     assert exact["max_abs"] <= 1e-4 * exact["scale"], exact
 
     if scheme.startswith("w4a16"):
-        assert kernel["mean_kl"] <= 2e-3 and kernel["top1"] >= 0.95, kernel
+        with disabled_backends(*KERNELS):  # the same quantized model, computed in bfloat16 by plain torch ops
+            bf16_model = load_model(path, torch.bfloat16, "torch")
+        floor = compare_logits(bf16_model.logits(fresh_ids)[0], ref_logits)
+        print(scheme, "bfloat16 reference floor", floor)
+        assert floor["mean_kl"] > 0, "bfloat16 should move the logits"
+        assert kernel["mean_kl"] <= 1.5 * floor["mean_kl"] and kernel["top1"] >= floor["top1"] - 0.03, (kernel, floor)
     elif scheme == "w8a16":
         assert kernel["max_abs"] <= 1e-3 * kernel["scale"], kernel
     else:

@@ -1,0 +1,104 @@
+"""The one place that decides which kernels a model and its runner use.
+
+``resolve("auto" | "cpp" | "torch", amx=None | True | False, ...)`` returns a ``KernelSet``: the
+fused layer ops (RMSNorm, rotary, SiLU-and-multiply), the paged decode attention and KV store,
+the chunk attention after cached tokens, and how bfloat16 linears are laid out. Everything that
+runs a model reads its choices from here and nowhere else; ``describe()`` says what was chosen, for
+the load log, ``/version`` and the benchmarks.
+
+- ``auto``: the compiled C++ kernels where they build (a warning and plain torch ops where not);
+- ``cpp``: the same, but a kernel that cannot be built is an error;
+- ``torch``: plain torch ops everywhere (the reference the kernels are checked against).
+
+``amx``: None uses Intel AMX tiles where the CPU has them; False never does (the path every
+non-AMX host takes, forced on an AMX host to test it); True requires them. ``INFER_AMX=0`` sets
+the default to False for a whole process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger("infer.kernels")
+BACKENDS = ("auto", "cpp", "torch")
+_LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    backend: str  # cpp | torch: what was asked for, after auto was resolved
+    amx: bool  # AMX tiles in use (linears, chunk attention)
+    layer_ops: object | None  # kernels.layer_ops' module, or None: torch ops
+    decode_attention: Callable | None  # kernels.cpu_attention.paged_decode_attention, or None: gather + SDPA
+    store_kv: Callable | None  # kernels.cpu_attention.store_kv_, or None: index_copy_
+    chunk_attention: Callable | None  # kernels.amx_attention's, or None: gather + padded SDPA
+    amx_linear: object | None  # kernels.amx_linear's module, or None
+    onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where AMX is not used
+
+    def linear_kernel(self, dtype: torch.dtype) -> str:
+        """How a plain linear of ``dtype`` runs: amx | onednn | torch."""
+        if dtype != torch.bfloat16:
+            return "torch"
+        return "amx" if self.amx_linear is not None else "onednn" if self.onednn_linear else "torch"
+
+    def describe(self, dtype: torch.dtype | None = None) -> dict:
+        """Which kernel runs each piece: logged once at load, shown by /version and the benchmarks."""
+        d = {"backend": self.backend, "amx": self.amx, "cpu_has_amx": cpu_has_amx(),
+             "layer_ops": "cpp" if self.layer_ops is not None else "torch",
+             "decode_attention": "cpp" if self.decode_attention is not None else "torch-sdpa",
+             "kv_store": "cpp" if self.store_kv is not None else "torch",
+             "chunk_attention": "amx" if self.chunk_attention is not None else "torch-sdpa"}
+        if dtype is not None:
+            d["linear"] = self.linear_kernel(dtype)
+        return d
+
+
+def cpu_has_amx() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+def _amx_wanted(amx: bool | None) -> bool:
+    if amx is None:
+        amx = os.environ.get("INFER_AMX", "1") != "0" and cpu_has_amx()
+    if amx and not cpu_has_amx():
+        raise RuntimeError("amx=True but this CPU has no AMX tiles (lscpu lists no amx_* flag); use amx=None")
+    return amx
+
+
+def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtype = torch.float32,
+            head_dim: int = 64, block_size: int = 16) -> KernelSet:
+    """The kernels for a model of ``dtype`` with ``head_dim`` and a KV cache of ``block_size`` tokens a block."""
+    if backend not in BACKENDS:
+        raise ValueError(f"kernels={backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend == "torch":
+        return KernelSet("torch", False, None, None, None, None, None, False)
+    from . import amx_attention, amx_linear, cpu_attention, layer_ops
+
+    use_amx = _amx_wanted(amx)
+
+    def need(module, what):
+        if module is None and backend == "cpp":
+            raise RuntimeError(f"kernels=cpp but the {what} kernel could not be built (see the warning above)")
+        return module
+
+    ops = need(layer_ops.load(), "layer ops") if dtype in _LAYER_OPS_DTYPES else None
+    attention = need(cpu_attention.load(), "paged attention")
+    linear_amx = chunk = None
+    if use_amx and dtype == torch.bfloat16:
+        linear_amx = amx_linear.load()
+        if amx is True and linear_amx is None:
+            raise RuntimeError("amx=True but the AMX linear kernel could not be built (see the warning above)")
+        if amx_attention.fits(dtype, head_dim, block_size):
+            module = amx_attention.load()
+            chunk = module.chunk_attention if module is not None else None
+    from infer.kernels.onednn import can_pack  # local: the probe runs a tiny matmul
+
+    return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,
+                     attention.paged_decode_attention if attention is not None else None,
+                     attention.store_kv_ if attention is not None else None, chunk, linear_amx,
+                     dtype == torch.bfloat16 and can_pack(torch.bfloat16))
