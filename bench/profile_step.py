@@ -30,7 +30,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     from infer.runtime import LLMEngine, SamplingParams
-    from infer.runtime import engine as engine_mod
+    from infer.runtime.engine import engine as engine_mod
 
     artifact = args.artifact or default_artifact(args.dtype)
     engine = LLMEngine(artifact, dtype=args.dtype, max_num_seqs=args.batch, kv_cache_memory=2 << 30)

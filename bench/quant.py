@@ -76,7 +76,7 @@ def build(overrides: list[str], out: Path, cache: Path, threads: int | None = No
 def perplexity(path: Path, windows: int, seq_len: int) -> float:
     from tokenizers import Tokenizer
 
-    from infer.pipeline.datasets import evaluation_texts
+    from infer.eval.datasets import evaluation_texts
     from infer.runtime.model import load_model
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -121,7 +121,7 @@ def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = 
     import transformers
     from tokenizers import Tokenizer
 
-    from infer.pipeline.datasets import evaluation_texts
+    from infer.eval.datasets import evaluation_texts
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     ids: list[int] = []

@@ -22,10 +22,31 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def host_info() -> dict:
+    """Which host a figure comes from: CPU model, AMX and AVX-512 BF16 flags, cores, torch threads."""
+    from infer.kernels.extension import cpu_flags
+
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor() or platform.machine())
+    flags = cpu_flags().split()
+    return {"cpu": model, "amx": sorted(f for f in flags if f.startswith("amx")), "avx512_bf16": "avx512_bf16" in flags,
+            "cores": len(__import__("os").sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
+
+
 def save_json(result: dict, path: Path) -> None:
-    """Every benchmark leaves its figures as JSON (bench/results/ by default)."""
+    """Every benchmark leaves its figures as JSON (bench/results/ by default), saying on which host
+    and, for engine benchmarks, which kernels ran (INFER_AMX=0 forces the non-AMX path)."""
+    from infer.kernels.resolver import resolve
+
+    result = {"host": host_info(), **result}
+    if "kernels" not in result and result.get("dtype") in ("float32", "bfloat16"):
+        dtype = getattr(torch, result["dtype"])
+        result["kernels"] = resolve("auto", dtype=dtype).describe(dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"host: {result['host']}")
+    if "kernels" in result:
+        print(f"kernels: {result['kernels']}")
     print(f"saved {path}")
 
 

@@ -9,7 +9,6 @@ flags override them. Exit codes: 0 evaluated (every set gate passed), 1 evaluati
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -47,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args, manifest: dict):
-    from .metrics import EvalSettings
+    from .settings import EvalSettings
 
     recipe_eval = (manifest.get("recipe") or {}).get("eval") or {}
     s = EvalSettings.from_spec(recipe_eval)
@@ -112,12 +111,12 @@ def run(argv: list[str] | None = None) -> int:
     from infer.runtime.artifact import ArtifactError, dump_json, verify_artifact
 
     from .gates import evaluate_gates, failed, failure_message, write_junit
-    from .metrics import EvalError, evaluate
+    from .metrics import evaluate
+    from .settings import EvalError
 
     try:
-        art = verify_artifact(args.artifact)
-        if args.baseline:
-            verify_artifact(args.baseline)
+        art = verify_artifact(args.artifact)  # each artifact is verified here, once, and handed down
+        base = verify_artifact(args.baseline) if args.baseline else None
         settings, recipe_gates = _settings(args, art.manifest)
         thresholds = _thresholds(args, recipe_gates)
         settings.check()
@@ -125,7 +124,7 @@ def run(argv: list[str] | None = None) -> int:
         print(f"infer-eval: {e}", file=sys.stderr)
         return EXIT_USAGE
     try:
-        evaluation = evaluate(art.path, args.baseline, settings, log=log.info)
+        evaluation = evaluate(art, base, settings, log=log.info)
     except (EvalError, ValueError, ArtifactError) as e:
         print(f"infer-eval: evaluation failed: {e}", file=sys.stderr)
         return EXIT_ERROR

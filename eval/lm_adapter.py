@@ -34,7 +34,7 @@ class InferLM(TemplateLM):
 
     @classmethod
     def from_artifact(cls, path, **kwargs) -> "InferLM":
-        from .metrics import open_llm
+        from .runner import open_llm
 
         return cls(open_llm(path, kwargs.pop("max_length", 2048)), **kwargs)
 

@@ -18,56 +18,25 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from .runner import open_llm
+from .settings import EvalError, EvalSettings
+
 EVAL_VERSION = 1  # bump when a metric's definition changes: cached evaluations then stop matching
 PROMPTS_FILE = Path(__file__).parent / "tasks" / "prompts.jsonl"  # in tasks/: shipped as package data
-
-
-class EvalError(ValueError):
-    """An evaluation that cannot run; the message names the input and the fix."""
-
-
-@dataclass
-class EvalSettings:
-    """What an evaluation measures on: the same for infer-build's gates and infer-eval."""
-
-    data: str = "pydoc_topics"
-    seq_len: int = 512
-    stride: int = 512
-    max_windows: int = 16
-    prompts: str = "default"
-    max_prompts: int = 16
-    greedy_tokens: int = 32
-    tasks: list[str] = field(default_factory=list)
-    task_limit: int | None = None
-
-    @classmethod
-    def from_spec(cls, spec) -> "EvalSettings":
-        """From a recipe's ``eval`` section (an EvalSpec or a plain dict)."""
-        get = (lambda k, d: spec.get(k, d)) if isinstance(spec, dict) else (lambda k, d: getattr(spec, k, d))
-        base = cls()
-        return cls(**{k: (list(get(k, v)) if k == "tasks" else get(k, v)) for k, v in asdict(base).items()})
-
-    def check(self) -> None:
-        if self.seq_len < 2 or not 1 <= self.stride <= self.seq_len:
-            raise EvalError(f"seq_len={self.seq_len}, stride={self.stride}: need seq_len >= 2 and 1 <= stride <= seq_len")
-        if self.max_windows < 1:
-            raise EvalError(f"max_windows={self.max_windows}: must be >= 1")
-        if self.greedy_tokens < 1 or self.max_prompts < 0:
-            raise EvalError("greedy_tokens must be >= 1 and max_prompts >= 0")
 
 
 # ---------------------------------------------------------------------------- data
 
 def eval_texts(data: str) -> list[str]:
     """The held-out documents: the evaluation split of pydoc_data.topics, or a user's .txt/.jsonl/dir."""
-    from infer.pipeline.datasets import DataError, load_texts
+    from infer.eval.datasets import DataError, load_texts
 
     try:
         return load_texts(data, split="evaluation", key="eval.data")
@@ -76,7 +45,7 @@ def eval_texts(data: str) -> list[str]:
 
 
 def texts_digest(texts: Sequence[str]) -> str:
-    from infer.pipeline.datasets import texts_digest as digest
+    from infer.eval.datasets import texts_digest as digest
 
     return digest(texts)
 
@@ -146,24 +115,6 @@ def load_prompts(spec: str, limit: int) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- engines
-
-def kv_bytes_per_token(artifact: Path) -> int:
-    cfg = json.loads((Path(artifact) / "config.json").read_text())
-    layers = cfg["num_hidden_layers"]
-    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return 2 * layers * kv_heads * head_dim * 4  # float32 upper bound
-
-
-def open_llm(artifact: str | Path, max_len: int, concurrent: int = 4):
-    """An engine sized for evaluation: a KV cache for a few windows, not a fraction of the machine."""
-    from infer.runtime import LLM
-
-    block = 16
-    tokens = (max_len + 2 * block) * concurrent
-    return LLM(artifact, kv_cache_memory=kv_bytes_per_token(Path(artifact)) * tokens + (8 << 20),
-               max_num_seqs=concurrent)
-
 
 def engine_token_logprobs(llm, windows: Sequence[Window]) -> list[list[float]]:
     """Per window, the log-probability the engine gives each scored token (prompt_logprobs)."""
@@ -291,22 +242,27 @@ def artifact_summary(path: Path, manifest: dict) -> dict:
 
 def model_identity(manifest: dict) -> dict:
     """What decides an artifact's outputs: its model and tokenizer files' hashes (not its name or recipe)."""
-    skip = {"recipe.yaml", "eval.json", "report.md", "report.html"}
+    skip = {"eval.json", "report.md", "report.html"}
     return {k: v["sha256"] for k, v in (manifest.get("files") or {}).items()
             if k not in skip and not k.startswith("plots/")}
 
 
-def evaluate(artifact: str | Path, baseline: str | Path | None, settings: EvalSettings, log=None) -> dict:
-    """Every metric for one artifact (and against a baseline when given), as plain JSON-able data."""
-    from infer.runtime.artifact import verify_artifact
+def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
+    """Every metric for one artifact (and against a baseline when given), as plain JSON-able data.
+
+    ``artifact``, ``baseline``: verified Artifacts, as the CLI and the gate stage pass them (a path
+    is verified here)."""
+    from infer.runtime.artifact import Artifact, verify_artifact
 
     settings.check()
     say = log or (lambda *a: None)
-    art = verify_artifact(artifact)
-    same = baseline is not None and Path(baseline).resolve() == Path(artifact).resolve()
-    base = verify_artifact(baseline) if baseline is not None and not same else None
+    art = artifact if isinstance(artifact, Artifact) else verify_artifact(artifact)
+    if baseline is not None and not isinstance(baseline, Artifact):
+        baseline = verify_artifact(baseline)
+    same = baseline is not None and baseline.path.resolve() == art.path.resolve()
+    base = baseline if baseline is not None and not same else None
     max_len = max(settings.seq_len, 512) + settings.greedy_tokens
-    llm = open_llm(art.path, max_len)
+    llm = open_llm(art, max_len)
     windows, data_info = load_windows(llm.tokenizer, settings)
     result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
                     "artifact": artifact_summary(art.path, art.manifest)}
@@ -322,7 +278,7 @@ def evaluate(artifact: str | Path, baseline: str | Path | None, settings: EvalSe
                                     "ln_ppl_ratio": 0.0, "rms_delta_p": 0.0, "mean_delta_p": 0.0,
                                     "prompts": len(prompts), "greedy_agreement": 1.0, "greedy_exact_match": 1.0}
         else:
-            base_llm = open_llm(base.path, max_len)
+            base_llm = open_llm(base, max_len)
             if base_llm.tokenizer.encode("Hello, world! 123") != llm.tokenizer.encode("Hello, world! 123"):
                 raise EvalError(f"{base.path}: its tokenizer differs from {art.path}'s; a baseline must share it")
             result["baseline"] = artifact_summary(base.path, base.manifest)
@@ -344,5 +300,5 @@ def evaluate(artifact: str | Path, baseline: str | Path | None, settings: EvalSe
         say("lm-eval tasks: %s", ", ".join(settings.tasks))
         result["tasks"] = run_tasks(llm, settings.tasks, limit=settings.task_limit)
         if base is not None:
-            result["baseline_tasks"] = run_tasks(open_llm(base.path, max_len), settings.tasks, limit=settings.task_limit)
+            result["baseline_tasks"] = run_tasks(open_llm(base, max_len), settings.tasks, limit=settings.task_limit)
     return result

@@ -1,9 +1,16 @@
-"""Builds a C++ source under kernels/csrc into a Python extension on first use, or says why not.
+"""Builds a C++ source under kernels/csrc into a Python extension, once per machine and environment.
 
-The build goes to torch's extension cache (about a minute per source, once per machine). A build
-that failed to compile is remembered per source digest, so not every process pays the minute again;
-a failure of the machine (a full disk, a permission) is not remembered, so the next process retries.
-Callers fall back to plain torch ops, and say so.
+``python -m infer.kernels build`` (run by ``make install``) compiles every kernel ahead of time, so
+no user request waits for a compiler; a process that finds one missing builds it at load (about a
+minute a source) and says so. Builds are cached under ``$INFER_KERNEL_CACHE`` (default
+``~/.cache/infer/kernels``) in a directory keyed by what decides the binary: the source and its
+headers, the compiler flags, the torch version and the CPU's instruction-set flags (the build uses
+``-march=native``). Two environments, or two machines sharing a home directory, never load each
+other's builds or rebuild over them.
+
+A build that failed to compile is remembered by its key, so not every process pays the minute
+again; a failure of the machine (a full disk, a permission) is not remembered, so the next process
+retries. Callers fall back to plain torch ops, and say so (the kernel resolver decides).
 """
 
 from __future__ import annotations
@@ -11,31 +18,61 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 from pathlib import Path
 
 log = logging.getLogger("infer.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
+BASE_FLAGS = ["-O3", "-march=native"]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("INFER_KERNEL_CACHE") or Path.home() / ".cache" / "infer" / "kernels")
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags (what -march=native compiles for), sorted."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return " ".join(sorted(set(line.split(":", 1)[1].split())))
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_key(source: str, cflags: list[str]) -> str:
+    """The identity of a build: source and headers, flags, torch version, CPU instruction set."""
+    import torch
+
+    inputs = [(CSRC / source).read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))),
+              " ".join(BASE_FLAGS + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
+              platform.python_version().encode()]
+    return hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
 
 
 def build(name: str, source: str, cflags: list[str]) -> object | None:
     """The compiled module for ``csrc/<source>``, or None (with a warning) when it cannot be built."""
     if os.environ.get("INFER_DISABLE_CPP_KERNELS") == "1":
         return None
-    from torch.utils.cpp_extension import _get_build_directory
     from torch.utils.cpp_extension import load as load_extension
 
-    path = CSRC / source
-    inputs = [path.read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))), " ".join(cflags).encode()]
-    digest = hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
-    failed = Path(_get_build_directory(name, verbose=False)) / f"failed-{digest}"
+    key = build_key(source, cflags)
+    directory = cache_root() / f"{name}-{key}"
+    failed = directory / "failed"
     if failed.exists():
         log.warning("C++ kernel %s failed to build before (%s); using torch ops; delete that file to retry",
                     name, failed)
         return None
+    fresh = not any(directory.glob("*.so"))
+    if fresh:
+        log.warning("compiling the C++ kernel %s (about a minute, once; `python -m infer.kernels build` does it "
+                    "ahead of time)", name)
     try:
-        # the digest as a define: torch rebuilds when build flags change, but hashes no headers itself
-        return load_extension(name=name, sources=[str(path)],
-                              extra_cflags=["-O3", "-march=native", f"-DINFER_SOURCE_DIGEST={digest}", *cflags],
+        directory.mkdir(parents=True, exist_ok=True)
+        # the key as a define: the module records which build it is
+        return load_extension(name=name, sources=[str(CSRC / source)], build_directory=str(directory),
+                              extra_cflags=[*BASE_FLAGS, f"-DINFER_SOURCE_DIGEST={key}", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]

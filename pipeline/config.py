@@ -14,6 +14,8 @@ from typing import Any, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
+from infer.eval.settings import EvalSettings
+
 
 class RecipeError(ValueError):
     """A recipe that cannot be built; the message names the key and the fix."""
@@ -76,21 +78,14 @@ class GateSpec:
 
 
 @dataclass
-class EvalSpec:
+class EvalSpec(EvalSettings):
+    """The recipe's ``eval`` section: what is measured (infer.eval.settings.EvalSettings: data,
+    windows, prompts, tasks), and here whether, against what, and which gates decide."""
     # Evaluation runs before publish when enabled, or when any gate or task is set.
     enabled: bool = False
-    data: str = "pydoc_topics"  # pydoc_topics (its evaluation split) | a .txt / .jsonl file | a dataset directory
-    seq_len: int = 512
-    stride: int = 512
-    max_windows: int = 16
     # unquantized: this recipe with quant.method=none (built as cached stages) | none | an artifact directory
     baseline: str = "unquantized"
     baseline_dtype: DType | None = None  # the unquantized baseline's dtype; None: model.dtype
-    prompts: str = "default"  # greedy-agreement prompts: default | a .txt (one a line) | a .jsonl ('prompt')
-    max_prompts: int = 16
-    greedy_tokens: int = 32
-    tasks: list[str] = field(default_factory=list)  # lm-eval tasks, e.g. [infer_lastword, infer_mc]
-    task_limit: int | None = None  # documents per task (None: all)
     junit: str | None = None  # write JUnit XML (one test case per gate) here; not part of the artifact
     gates: GateSpec = field(default_factory=GateSpec)
 

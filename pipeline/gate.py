@@ -122,7 +122,7 @@ def _seal(packaged: Path, out: Path, doc: dict, stage_keys: dict) -> dict:
 def run(cfg: BuildConfig, cache: Path, stages: list[StageResult], packaged: StageResult, recipe: dict,
         build_unpublished) -> tuple[StageResult, dict, list[StageResult]]:
     """Evaluates, gates and seals; returns the sealed stage, the eval document and the extra stages."""
-    from infer.eval.metrics import EvalError
+    from infer.eval.settings import EvalError
 
     try:
         return _run(cfg, cache, stages, packaged, recipe, build_unpublished)
@@ -132,8 +132,9 @@ def run(cfg: BuildConfig, cache: Path, stages: list[StageResult], packaged: Stag
 
 def _run(cfg, cache, stages, packaged, recipe, build_unpublished):
     from infer.eval.gates import evaluate_gates, failed, failure_message, write_junit
-    from infer.eval.metrics import (EVAL_VERSION, EvalSettings, artifact_summary, eval_texts, evaluate,
-                                    load_prompts, model_identity, texts_digest)
+    from infer.eval.metrics import (EVAL_VERSION, artifact_summary, eval_texts, evaluate, load_prompts,
+                                    model_identity, texts_digest)
+    from infer.eval.settings import EvalSettings
 
     e = cfg.eval
     settings = EvalSettings.from_spec(e)

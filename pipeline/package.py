@@ -14,7 +14,7 @@ from infer.runtime.artifact import MANIFEST, verify_artifact, write_manifest
 from .stage import DONE
 
 ARTIFACT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                  "chat_template.jinja", "model.safetensors.index.json", "recipe.yaml")
+                  "chat_template.jinja", "model.safetensors.index.json")
 _TRACKED_PACKAGES = ("infer", "torch", "safetensors", "tokenizers", "gguf", "transformers", "llmcompressor",
                      "compressed-tensors")
 

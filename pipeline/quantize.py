@@ -34,20 +34,16 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import BuildConfig, QuantMethod
+from infer.runtime.model.compressed_tensors import matches
+from infer.runtime.model.llama import HFLinear, ModelConfig, linear_layout
+
+from .config import BuildConfig
 
 log = logging.getLogger("infer.build")
 
 
 class QuantError(ValueError):
     """Quantization settings that cannot work; the message names the recipe key and the valid choices."""
-
-
-@dataclass(frozen=True)
-class Linear:
-    name: str  # HF module name, e.g. model.layers.0.self_attn.q_proj
-    in_features: int
-    out_features: int
 
 
 @dataclass
@@ -64,31 +60,10 @@ class QuantPlan:
                 "quantized_layers": len(self.targets)}
 
 
-def model_linears(config: dict) -> list[Linear]:
-    """Every nn.Linear of a Llama/Qwen2 checkpoint, by HF name, from its config.json alone."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    kv = config.get("num_key_value_heads", heads)
-    head_dim = config.get("head_dim") or hidden // heads
-    out = []
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        out += [Linear(p + "self_attn.q_proj", hidden, heads * head_dim),
-                Linear(p + "self_attn.k_proj", hidden, kv * head_dim),
-                Linear(p + "self_attn.v_proj", hidden, kv * head_dim),
-                Linear(p + "self_attn.o_proj", heads * head_dim, hidden),
-                Linear(p + "mlp.gate_proj", hidden, inter),
-                Linear(p + "mlp.up_proj", hidden, inter),
-                Linear(p + "mlp.down_proj", inter, hidden)]
-    out.append(Linear("lm_head", hidden, config["vocab_size"]))
-    return out
-
-
-def _matches(pattern: str, name: str) -> bool:
-    """compressed-tensors' ignore semantics: ``re:REGEX`` (searched), else an exact name or a name suffix."""
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return name == pattern or name.endswith("." + pattern)
+def model_linears(config: dict) -> list[HFLinear]:
+    """Every nn.Linear of a Llama/Qwen2 checkpoint, by HF name, from its config.json alone (the
+    runtime's declared layout, so what is quantized here is what the runtime fuses)."""
+    return [part for fused in linear_layout(ModelConfig.from_hf(config)) for part in fused.parts]
 
 
 def _divisor_choices(sizes: set[int]) -> list[int]:
@@ -116,10 +91,10 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
                 re.compile(pattern[3:])
             except re.error as e:
                 raise QuantError(f"quant.ignore: {pattern!r} is not a valid regular expression ({e})") from None
-        if not any(_matches(pattern, lin.name) for lin in linears):
+        if not any(matches(pattern, lin.name) for lin in linears):
             raise QuantError(f"quant.ignore: {pattern!r} matches no linear layer of this model; use a layer name "
                              f"(lm_head, model.layers.0.mlp.down_proj), a suffix (down_proj) or re:REGEX")
-    targets = [lin for lin in linears if not any(_matches(p, lin.name) for p in q.ignore)]
+    targets = [lin for lin in linears if not any(matches(p, lin.name) for p in q.ignore)]
     if not targets:
         raise QuantError(f"quant.ignore={list(q.ignore)}: leaves no layer to quantize")
 
@@ -169,7 +144,7 @@ def calibration_windows(cfg: BuildConfig, tokenizer_dir: Path) -> tuple[list[lis
     """The calibration token windows and their record (data, sizes, sha256 of the tokens)."""
     from tokenizers import Tokenizer
 
-    from .datasets import DataError, load_texts, texts_digest, token_windows, windows_digest
+    from infer.eval.datasets import DataError, load_texts, texts_digest, token_windows, windows_digest
 
     c = cfg.calib
     try:

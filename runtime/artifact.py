@@ -49,8 +49,11 @@ def write_manifest(root: Path, manifest: dict) -> dict:
 
 @dataclass(frozen=True)
 class Artifact:
+    """A verified artifact: what ``verify_artifact`` returns and every consumer is handed, so a
+    command hashes its files once and parses ``config.json`` once."""
     path: Path
     manifest: dict
+    config: dict  # config.json, parsed
 
     @property
     def name(self) -> str:
@@ -60,9 +63,9 @@ class Artifact:
     def version(self) -> str:
         return self.manifest["version"]
 
-    @property
-    def config(self) -> dict:
-        return json.loads((self.path / "config.json").read_text())
+    def weight_files(self) -> list[Path]:
+        """The safetensors files the manifest lists, in name order."""
+        return [self.path / rel for rel in sorted(self.manifest["files"]) if rel.endswith(".safetensors")]
 
 
 def verify_artifact(path: str | Path) -> Artifact:
@@ -108,4 +111,8 @@ def verify_artifact(path: str | Path) -> Artifact:
     for required in ("config.json", "tokenizer.json"):
         if required not in files:
             raise ArtifactError(f"{root / required}: the manifest lists no {required}; {rebuild}")
-    return Artifact(root, manifest)
+    try:
+        config = json.loads((root / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{root / 'config.json'}: not valid JSON ({e}); {rebuild}") from e
+    return Artifact(root, manifest, config)

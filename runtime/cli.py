@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .artifact import ArtifactError
+from .artifact import ArtifactError, verify_artifact
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -22,6 +22,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV cache size in bytes, or with a unit: 512M, 4G (default: 20%% of available RAM)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kernels", choices=["auto", "cpp", "torch"], default="auto",
+                   help="auto: the compiled CPU kernels where they load, else torch ops; cpp: those or fail; "
+                        "torch: plain torch ops (default auto; INFER_AMX=0 keeps AMX tiles off)")
     s = p.add_argument_group("server (without --prompt: an OpenAI-compatible HTTP API)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -54,16 +57,26 @@ def parse_bytes(text: str | None) -> int | None:
         raise SystemExit(f"infer-run: error: --kv-cache-memory {text!r} is not a size such as 536870912, 512M or 4G")
 
 
-def engine_args(args: argparse.Namespace) -> dict:
-    return {"dtype": args.dtype, "kv_cache_memory": parse_bytes(args.kv_cache_memory),
-            "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+def engine_config(args: argparse.Namespace):
+    from .engine.engine import EngineConfig
+
+    return EngineConfig(dtype=args.dtype, kv_cache_memory=parse_bytes(args.kv_cache_memory),
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels)
 
 
-def answer(args: argparse.Namespace) -> int:
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+def server_config(args: argparse.Namespace):
+    from .serving.server import ServerConfig
 
-    llm = LLM(args.artifact, **engine_args(args))
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                        log_requests=args.log_requests, grace_period=args.grace_period, max_body=args.max_body,
+                        access_log=args.access_log, engine=engine_config(args))
+
+
+def answer(args: argparse.Namespace, artifact) -> int:
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
+
+    llm = LLM(artifact, config=engine_config(args))
     prompt = args.prompt if args.raw else llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     out = llm.generate([prompt], params)[0]
@@ -74,11 +87,12 @@ def answer(args: argparse.Namespace) -> int:
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
+        artifact = verify_artifact(args.artifact)  # a bad artifact fails here, before any loading (exit 2)
         if args.prompt is not None:
-            sys.exit(answer(args))
-        from .server import serve
+            sys.exit(answer(args, artifact))
+        from .serving.server import serve
 
-        sys.exit(serve(args))
+        sys.exit(serve(server_config(args), artifact))
     except ArtifactError as e:
         print(f"infer-run: refusing artifact: {e}", file=sys.stderr)
         sys.exit(2)

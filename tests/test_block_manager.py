@@ -7,9 +7,9 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer.runtime.block_manager import BlockManager
-from infer.runtime.sampling_params import SamplingParams
-from infer.runtime.sequence import Sequence
+from infer.runtime.engine.block_manager import BlockManager
+from infer.runtime.engine.sampling_params import SamplingParams
+from infer.runtime.engine.sequence import Sequence
 
 BS = 4
 

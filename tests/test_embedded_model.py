@@ -49,7 +49,7 @@ def test_chat_template_from_chat_template_jinja(embedded_artifact, tmp_path):
     import json
     import shutil
 
-    from infer.runtime.tokenizer import Tokenizer
+    from infer.runtime.engine.tokenizer import Tokenizer
 
     for name in ("tokenizer.json", "config.json", "generation_config.json"):
         shutil.copyfile(embedded_artifact / name, tmp_path / name)

@@ -156,7 +156,7 @@ def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embe
 
     from infer.kernels.resolver import resolve
     from infer.runtime.model import load_model
-    from infer.runtime.packed_linear import PackedLinear
+    from infer.runtime.model.packed_linear import PackedLinear
     from quant_helpers import compare_logits
 
     ref_model, tok = hf_reference

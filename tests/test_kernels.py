@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.kernels import cpu_attention
-from infer.runtime.attention import PagedAttention, PrefillChunk
+from infer.runtime.engine.attention import PagedAttention, PrefillChunk
 
 
 def random_paged(seqs: int, heads: int, kv_heads: int, head_dim: int, dtype, block_size: int = 16):
@@ -129,13 +129,30 @@ def test_a_failed_build_is_remembered_only_when_the_source_is_at_fault(error, re
         calls.append(kwargs["name"])
         raise error
 
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("INFER_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", failing_load)
     assert extension.build("infer_paged_attention", "paged_attention.cpp", []) is None
     assert extension.build("infer_paged_attention", "paged_attention.cpp", []) is None
     # a compile error is not retried by the next caller; a full disk or a permission is
     assert len(calls) == (1 if remembered else 2)
-    assert bool(list(tmp_path.rglob("failed-*"))) == remembered
+    assert bool(list(tmp_path.rglob("failed"))) == remembered
+
+
+def test_kernel_builds_are_keyed_by_source_flags_torch_and_cpu(monkeypatch):
+    """Two environments (torch versions) or two CPUs never share a build directory."""
+    import torch
+
+    from infer.kernels import extension
+
+    key = extension.build_key("paged_attention.cpp", ["-fopenmp"])
+    assert key == extension.build_key("paged_attention.cpp", ["-fopenmp"])
+    assert key != extension.build_key("paged_attention.cpp", ["-fopenmp", "-ffast-math"])
+    assert key != extension.build_key("layer_ops.cpp", ["-fopenmp"])
+    monkeypatch.setattr(extension, "cpu_flags", lambda: "sse2 avx2")  # another machine's CPU
+    assert key != extension.build_key("paged_attention.cpp", ["-fopenmp"])
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0-another-env")
+    assert key != extension.build_key("paged_attention.cpp", ["-fopenmp"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -173,7 +190,7 @@ def test_amx_chunk_attention_is_used_wherever_the_cpu_has_amx():
     ([40, 9], [0 + 3, 64], 9),  # no grouping
 ])
 def test_amx_chunk_attention_matches_float64(lengths, cached, kv_heads):
-    from infer.runtime.attention import PrefillChunk, _PaddedChunks
+    from infer.runtime.engine.attention import PrefillChunk, _PaddedChunks
 
     gen = torch.Generator().manual_seed(torch.initial_seed())
     heads, d, num_blocks = 9, 64, 512

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infer.kernels import layer_ops
-from infer.runtime.model import RMSNorm, RotaryEmbedding
+from infer.runtime.model.llama import RMSNorm, RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -83,7 +83,7 @@ def test_rotary_refuses_a_position_past_the_table(ops):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (5, 40), (300, 96)])
 def test_silu_mul_matches_torch(ops, dtype, rows, inter):
-    from infer.runtime.model import MLP, ModelConfig
+    from infer.runtime.model.llama import MLP, ModelConfig
 
     cfg = ModelConfig("llama", 64, 32, inter, 1, 2, 2, 16, 1e-5, 10000.0, 64, False, False)
     ref, fused = pair(MLP, cfg, ops=ops)

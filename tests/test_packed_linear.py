@@ -8,7 +8,7 @@ from torch import nn
 
 from infer.kernels import amx_linear
 from infer.kernels.onednn import can_pack
-from infer.runtime.packed_linear import PackedLinear, pack_linears
+from infer.runtime.model.packed_linear import PackedLinear, pack_linears
 
 AMX = amx_linear.load()
 

@@ -59,7 +59,7 @@ def _tiny(method: str, tiny: Path) -> list[str]:
 def test_calibration_and_evaluation_splits_are_disjoint_and_cover_the_topics():
     from pydoc_data.topics import topics
 
-    from infer.pipeline.datasets import calibration_texts, evaluation_texts
+    from infer.eval.datasets import calibration_texts, evaluation_texts
 
     keys = sorted(topics)
     calib, ev = calibration_texts(), evaluation_texts()
@@ -70,7 +70,7 @@ def test_calibration_and_evaluation_splits_are_disjoint_and_cover_the_topics():
 def test_user_data_files_and_deterministic_windows(tmp_path, embedded_artifact):
     from tokenizers import Tokenizer
 
-    from infer.pipeline.datasets import DataError, load_texts, token_windows, windows_digest
+    from infer.eval.datasets import DataError, load_texts, token_windows, windows_digest
 
     (tmp_path / "a.txt").write_text("alpha beta gamma " * 200)
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "one two three " * 100}) + "\n\n" +
@@ -155,7 +155,7 @@ def test_scheme_builds_and_serves(method, tiny_checkpoint, tmp_path, cache_dir):
 
     from infer.runtime import LLM, SamplingParams
     from infer.runtime.model import load_model
-    from infer.runtime.quant_linear import quantized_modules
+    from infer.runtime.model.quant_linear import quantized_modules
 
     result = _build(_tiny(method, tiny_checkpoint), tmp_path / method, cache_dir)
     art = result.artifact
@@ -201,7 +201,7 @@ def test_identical_rebuilds_are_byte_identical(tiny_checkpoint, tmp_path):
 
 def test_compressed_tensors_source_is_packaged_without_quantizing(tiny_checkpoint, tmp_path, cache_dir):
     from infer.runtime.model import load_model
-    from infer.runtime.quant_linear import quantized_modules
+    from infer.runtime.model.quant_linear import quantized_modules
 
     quantized = _build(_tiny("w8a8", tiny_checkpoint), tmp_path / "q", cache_dir).artifact
     src = tmp_path / "src"

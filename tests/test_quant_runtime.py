@@ -58,7 +58,7 @@ KERNELS = ("cpu-int4", "cpu-int8-weight", "cpu-w8a8", "cpu-fp8")
 def _fused_groups(ignore: list[str]) -> set[str]:
     """The runtime's fused linears (qkv, o, gate_up, down per layer) that hold no ignored layer: the ones
     that stay quantized (a group with an ignored part is float as a whole)."""
-    from infer.pipeline.quantize import _matches
+    from infer.runtime.model.compressed_tensors import matches as _matches
 
     parts = {"self_attn.qkv_proj": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
              "self_attn.o_proj": ["self_attn.o_proj"], "mlp.gate_up_proj": ["mlp.gate_proj", "mlp.up_proj"],
@@ -71,7 +71,7 @@ def _fused_groups(ignore: list[str]) -> set[str]:
 def fresh_ids(embedded_artifact):
     from tokenizers import Tokenizer
 
-    from infer.pipeline.datasets import evaluation_texts
+    from infer.eval.datasets import evaluation_texts
 
     tok = Tokenizer.from_file(str(embedded_artifact / "tokenizer.json"))
     return torch.tensor([tok.encode(evaluation_texts()[5], add_special_tokens=False).ids[:128]])
@@ -104,7 +104,7 @@ def _float64_dequant(self, x):
     maths, more exactly; how far it moves the logits is the reference's own noise floor."""
     from dataclasses import replace
 
-    from infer.runtime.quant_linear import fake_quantize_activations
+    from infer.runtime.model.quant_linear import fake_quantize_activations
 
     w = replace(self.w, q=self.q, scale=self.scale, zero=getattr(self, "zero", None), g_idx=getattr(self, "g_idx", None))
     if w.inputs is not None:
@@ -124,7 +124,7 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
     from infer.kernels.resolver import resolve
     from infer.pipeline.config import compose_recipe
     from infer.runtime.model import load_model
-    from infer.runtime.quant_linear import DequantLinear, disabled_backends, quantized_modules
+    from infer.runtime.model.quant_linear import DequantLinear, disabled_backends, quantized_modules
 
     path: Path = ckpts(scheme)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -188,7 +188,7 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
 def _layer(kind: str, n: int = 96, k: int = 256):
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    from infer.runtime.quant_linear import Args, QuantWeight, unpack_int32
+    from infer.runtime.model.compressed_tensors import Args, QuantWeight, unpack_int32
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.05
@@ -228,7 +228,7 @@ def _layer(kind: str, n: int = 96, k: int = 256):
 @pytest.mark.parametrize("kind, backend", [("int4_asym_g32", "cpu-int4"), ("int4_actorder", "cpu-int4"),
                                            ("int8_weight", "cpu-int8-weight"), ("fp8_static", "cpu-fp8")])
 def test_kernel_layers_match_dequantized_reference(kind, backend):
-    from infer.runtime.quant_linear import make_linear
+    from infer.runtime.model.quant_linear import make_linear
 
     w = _layer(kind)
     x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(1))
@@ -241,7 +241,8 @@ def test_kernel_layers_match_dequantized_reference(kind, backend):
 
 
 def test_fused_projections_concatenate_per_tensor_scales():
-    from infer.runtime.quant_linear import QuantWeight, make_linear
+    from infer.runtime.model.compressed_tensors import QuantWeight
+    from infer.runtime.model.quant_linear import make_linear
 
     a, b = _layer("fp8_static"), _layer("fp8_static")
     b = QuantWeight(b.weights, b.inputs, b.q, b.scale * 2, None, None, torch.tensor(0.03))

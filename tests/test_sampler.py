@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from infer.runtime.sampler import apply_penalties, sample
-from infer.runtime.sampling_params import SamplingParams
-from infer.runtime.sequence import Sequence
+from infer.runtime.engine.sampler import apply_penalties, sample
+from infer.runtime.engine.sampling_params import SamplingParams
+from infer.runtime.engine.sequence import Sequence
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
 

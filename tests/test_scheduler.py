@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import random
 
-from infer.runtime.block_manager import BlockManager
-from infer.runtime.sampling_params import SamplingParams
-from infer.runtime.scheduler import Scheduler
-from infer.runtime.sequence import Sequence, Status
+from infer.runtime.engine.block_manager import BlockManager
+from infer.runtime.engine.sampling_params import SamplingParams
+from infer.runtime.engine.scheduler import Scheduler
+from infer.runtime.engine.sequence import Sequence, Status
 
 
 def run_step(sched: Scheduler):

@@ -38,7 +38,7 @@ def passages(texts: list[str], count: int = 64, min_words: int = 25, max_words: 
 
 
 def main() -> None:
-    from infer.pipeline.datasets import evaluation_texts
+    from infer.eval.datasets import evaluation_texts
 
     rows = passages(evaluation_texts())
     OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")

@@ -20,14 +20,15 @@ def _raise(message: str):
 
 
 class Tokenizer:
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, model_config: dict | None = None):
+        """``model_config``: the artifact's parsed config.json (read here when not given)."""
         path = Path(path)
         self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
         cfg_path = path / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         gen_path = path / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-        model_cfg = json.loads((path / "config.json").read_text())
+        model_cfg = model_config if model_config is not None else json.loads((path / "config.json").read_text())
 
         def token_str(v):
             return v.get("content") if isinstance(v, dict) else v

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .attention import PagedAttention, PrefillChunk
-from .model import Transformer
+from ..model import Transformer
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .sampling_params import SamplingParams
+from ..engine.sampling_params import SamplingParams
 
 MAX_N = 64
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1

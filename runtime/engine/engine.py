@@ -16,9 +16,9 @@ import torch
 
 from infer.kernels.resolver import resolve
 
-from .artifact import verify_artifact
+from ..artifact import Artifact, verify_artifact
 from .block_manager import BlockManager
-from .model import ModelConfig, load_model
+from ..model import ModelConfig, load_model
 from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
@@ -108,18 +108,20 @@ def available_memory() -> int:
 
 
 class LLMEngine:
-    def __init__(self, artifact_path: str | os.PathLike, config: EngineConfig | None = None, **overrides):
+    def __init__(self, artifact: Artifact | str | os.PathLike, config: EngineConfig | None = None, **overrides):
+        """``artifact``: a verified Artifact (as the CLI, the server and eval pass it), or a path to verify."""
         self.config = config or EngineConfig(**overrides)
         cfg = self.config
-        self.artifact = verify_artifact(artifact_path)
-        self.tokenizer = Tokenizer(self.artifact.path)
+        self.artifact = artifact if isinstance(artifact, Artifact) else verify_artifact(artifact)
+        self.tokenizer = Tokenizer(self.artifact.path, self.artifact.config)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
         dtype = _DTYPES.get(cfg.dtype) if cfg.dtype else None
         mcfg = ModelConfig.from_hf(self.artifact.config)
         # the dtype the model will run in decides the kernels; load_model settles the artifact's default
         self.model = load_model(self.artifact.path, dtype, lambda d: resolve(
-            cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size))
+            cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size),
+            hf_config=self.artifact.config, files=self.artifact.weight_files())
         self.kernels = self.model.kernels
         log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings

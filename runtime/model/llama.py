@@ -6,7 +6,9 @@ sequence is the business of an *attention context* (``attend(layer, q, k, v)``):
 one here for whole-sequence use (evaluation, tests), a paged one in the engine.
 
 q/k/v and gate/up are fused at load time into one matmul each: fewer, larger matmuls are what
-makes a small model fast on a CPU.
+makes a small model fast on a CPU. ``Transformer.packed_modules_mapping`` declares that layout
+once; ``linear_layout`` spells it out per layer with shapes, for the loader (float and quantized
+weights alike) and for the build pipeline's quantize stage. Loading is runtime/model/loader.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -188,6 +189,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    # the checkpoint's projections this model runs as one matmul, in output order (HF names per layer)
+    packed_modules_mapping = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+    # the linears of a layer, fused or not
+    layer_linears = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -240,124 +247,31 @@ class DenseCausalContext:
         return out.transpose(1, 2).reshape(b * n, -1, q.shape[-1])
 
 
-# ---------------------------------------------------------------------------- loading
-
-def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+@dataclass(frozen=True)
+class HFLinear:
+    name: str  # HF module name, e.g. model.layers.0.self_attn.q_proj
+    in_features: int
+    out_features: int
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a (possibly sharded) safetensors checkpoint, by HF name."""
-    tensors: dict[str, torch.Tensor] = {}
-    for file in _weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name)
-    return tensors
+@dataclass(frozen=True)
+class FusedLinear:
+    name: str  # this model's module name, e.g. layers.0.self_attn.qkv_proj
+    parts: tuple[HFLinear, ...]  # the checkpoint's linears concatenated into it, in output order
 
 
-def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
-                       quantized: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Maps HF tensor names onto this model's, concatenating q/k/v and gate/up.
-
-    ``quantized``: modules (this model's names) whose weights were taken out already as quantized
-    linears (runtime.quant_linear.take_quantized); only their biases are mapped here."""
-    out: dict[str, torch.Tensor] = {}
-    pop = hf.pop
-    out["embed_tokens.weight"] = pop("model.embed_tokens.weight")
-    out["norm.weight"] = pop("model.norm.weight")
-    if "lm_head" not in quantized:
-        out["lm_head.weight"] = out["embed_tokens.weight"] if cfg.tie_word_embeddings else pop("lm_head.weight")
-    hf.pop("lm_head.weight", None)
+def linear_layout(cfg: ModelConfig) -> list[FusedLinear]:
+    """Every linear of the model (the LM head last) with the checkpoint linears it is made of."""
+    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    out_features = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d,
+                    "o_proj": h, "gate_proj": inter, "up_proj": inter, "down_proj": h}
+    in_features = {"o_proj": cfg.num_heads * d, "down_proj": inter}
+    layout = []
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        attn, mlp, m = p + "self_attn.", p + "mlp.", f"layers.{i}."
-        if m + "self_attn.qkv_proj" not in quantized:
-            out[m + "self_attn.qkv_proj.weight"] = torch.cat([pop(attn + f"{n}_proj.weight") for n in "qkv"])
-        if cfg.attention_bias:
-            out[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat([pop(attn + f"{n}_proj.bias") for n in "qkv"])
-        if m + "self_attn.o_proj" not in quantized:
-            out[m + "self_attn.o_proj.weight"] = pop(attn + "o_proj.weight")
-        if m + "mlp.gate_up_proj" not in quantized:
-            out[m + "mlp.gate_up_proj.weight"] = torch.cat([pop(mlp + "gate_proj.weight"), pop(mlp + "up_proj.weight")])
-        if m + "mlp.down_proj" not in quantized:
-            out[m + "mlp.down_proj.weight"] = pop(mlp + "down_proj.weight")
-        out[f"layers.{i}.input_layernorm.weight"] = pop(p + "input_layernorm.weight")
-        out[f"layers.{i}.post_attention_layernorm.weight"] = pop(p + "post_attention_layernorm.weight")
-    leftover = sorted(k for k in hf if "rotary_emb" not in k)
-    if leftover:
-        raise ValueError(f"checkpoint has tensors this model does not use: {leftover[:5]} ...")
-    return out
-
-
-def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
-    """The checkpoint's float dtype, except that an int4 weight-only (W4A16) checkpoint stored in
-    float32 runs in bfloat16: "A16" says 16-bit activations, the int4 kernel computes in bfloat16
-    anyway, and a float32 embedding / LM head would be the largest read of every decode step (113
-    of 170 MB on the embedded model). ``dtype=torch.float32`` (``--dtype float32``) still asks for it."""
-    weight_only_int4 = quantized and all(w.inputs is None and w.weights.num_bits == 4 for w in quantized.values())
-    return torch.bfloat16 if weight_only_int4 and stored == torch.float32 else stored
-
-
-def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto") -> Transformer:
-    """Builds the model from an HF-format directory (config.json + safetensors).
-
-    ``kernels``: a ``KernelSet`` from infer.kernels.resolver, a function of the compute dtype giving
-    one, or a backend name for the resolver (``auto``: RMSNorm, rotary and SiLU through kernels/layer_ops and bfloat16 linears prepacked for
-    AMX tiles or oneDNN, runtime/packed_linear.py; ``torch``: every step in plain torch ops). The
-    choice changes speed and rounding, not the maths."""
-    path = Path(path)
-    cfg = ModelConfig.from_dir(path)
-    hf = read_state_dict(path)
-    hf_config = json.loads((path / "config.json").read_text())
-    quantized = {}
-    if hf_config.get("quantization_config"):  # compressed-tensors: quantized linears keep their packed weights
-        from .quant_linear import is_quantized_config, take_quantized
-
-        if not is_quantized_config(hf_config):
-            raise ValueError(f"quantization_config.quant_method "
-                             f"{hf_config['quantization_config'].get('quant_method')!r} is not supported; "
-                             f"supported: compressed-tensors")
-        quantized = take_quantized(hf, hf_config["quantization_config"], cfg.num_layers)
-    state = fuse_hf_state_dict(hf, cfg, set(quantized))
-    dtype = dtype or _compute_dtype(state["embed_tokens.weight"].dtype, quantized)
-    if isinstance(kernels, str):
-        from infer.kernels.resolver import resolve
-
-        kernels = resolve(kernels, dtype=dtype, head_dim=cfg.head_dim)
-    elif callable(kernels):
-        kernels = kernels(dtype)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=False, assign=True)
-    if cfg.tie_word_embeddings and "lm_head" not in quantized:
-        model.lm_head.weight = model.embed_tokens.weight
-    if quantized:
-        from .quant_linear import make_linear
-
-        for name, qweight in quantized.items():
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr,
-                    make_linear(qweight, state.get(name + ".bias"), dtype))
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
-    model.use_fused_ops(kernels.layer_ops if dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
-    if dtype == torch.bfloat16 and kernels.linear_kernel(dtype) != "torch":
-        from .packed_linear import pack_linears
-
-        pack_linears(model, kernels.amx_linear, kernels.onednn_linear)
-    model.kernels = kernels
-    return model.eval().requires_grad_(False)
-
-
-__all__ = ["ModelConfig", "Transformer", "DenseCausalContext", "load_model", "read_state_dict"]
+        for module in Transformer.layer_linears:
+            parts = Transformer.packed_modules_mapping.get(module, (module,))
+            layout.append(FusedLinear(f"layers.{i}.{module}", tuple(
+                HFLinear(f"model.layers.{i}.{part}", in_features.get(part.rpartition(".")[2], h),
+                         out_features[part.rpartition(".")[2]]) for part in parts)))
+    layout.append(FusedLinear("lm_head", (HFLinear("lm_head", h, cfg.vocab_size),)))
+    return layout

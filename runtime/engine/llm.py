@@ -11,8 +11,9 @@ from .sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, artifact_path, **engine_args):
-        self.engine = LLMEngine(artifact_path, EngineConfig(**engine_args))
+    def __init__(self, artifact, config: EngineConfig | None = None, **engine_args):
+        """``artifact``: a path, or an Artifact already verified; ``config`` or keyword arguments: EngineConfig."""
+        self.engine = LLMEngine(artifact, config or EngineConfig(**engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = count()
 

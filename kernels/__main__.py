@@ -1,0 +1,42 @@
+"""``python -m infer.kernels build``: compile every C++ kernel this CPU can run, ahead of time.
+
+``make install`` runs it, so neither ``infer-run``'s first answer nor a server's first request
+waits for a compiler. ``python -m infer.kernels`` alone lists what is built and where.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv not in ([], ["build"]):
+        print("usage: python -m infer.kernels [build]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from . import amx_attention, amx_linear, cpu_attention, layer_ops
+    from .extension import cache_root
+    from .resolver import cpu_has_amx
+
+    kernels = {"layer_ops": layer_ops.load, "paged_attention": cpu_attention.load}
+    if cpu_has_amx():
+        kernels |= {"amx_linear": amx_linear.load, "amx_attention": amx_attention.load}
+    failed = []
+    for name, load in kernels.items():
+        t0 = time.perf_counter()
+        module = load()
+        state = "ready" if module is not None else "UNAVAILABLE (torch ops will be used)"
+        print(f"{name:16s} {state} ({time.perf_counter() - t0:.1f}s)")
+        if module is None:
+            failed.append(name)
+    if not cpu_has_amx():
+        print("amx_linear, amx_attention: not built (this CPU has no AMX)")
+    print(f"cache: {cache_root()}")
+    return 1 if failed and argv == ["build"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: requests in, scheduled forward passes, tokens and text out (nano-vllm's split)."""

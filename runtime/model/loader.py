@@ -1,0 +1,153 @@
+"""Loads a model from an HF-format directory: the one weight loader, float and quantized alike.
+
+Tensors are read by HF name, then mapped onto the model through ``linear_layout`` (the fused
+layout declared on the model): each fused linear is either concatenated from float parts or built
+as a quantized linear from compressed-tensors parts (runtime/model/compressed_tensors.py); every
+other tensor (embeddings, norms) keeps its HF name without the ``model.`` prefix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .compressed_tensors import QuantWeight, is_quantized_config, read_quantized
+from .llama import ModelConfig, RotaryEmbedding, Transformer, linear_layout
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (one, or the shards its index names)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    single = path / "model.safetensors"
+    if single.exists():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def read_state_dict(path: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint, by HF name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files or weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def take_quantized(hf: dict[str, torch.Tensor], qcfg: dict, cfg: ModelConfig) -> dict[str, QuantWeight]:
+    """Pops every quantized linear out of ``hf``, fused as the model fuses floats: {module: QuantWeight}.
+
+    Where a fused group mixes quantized and float parts, or schemes that cannot be concatenated, its
+    quantized parts are dequantized (that group only) back into ``hf`` as float ``.weight`` tensors,
+    so the float path fuses them as usual."""
+    out: dict[str, QuantWeight] = {}
+    for linear in linear_layout(cfg):
+        names = [p.name for p in linear.parts]
+        parts = [read_quantized(hf, qcfg, n) for n in names]
+        if all(p is None for p in parts):
+            continue
+        if all(p is not None for p in parts):
+            try:
+                out[linear.name] = QuantWeight.cat(parts)
+                continue
+            except ValueError:
+                pass
+        for n, p in zip(names, parts):
+            if p is not None:
+                hf[n + ".weight"] = p.dequantize(torch.float32)
+    return out
+
+
+def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
+                       quantized: frozenset[str] | set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Maps HF tensor names onto this model's, concatenating the fused linears' parts.
+
+    ``quantized``: modules taken out already as quantized linears (``take_quantized``); only their
+    biases are mapped here. A tied LM head takes no tensor of its own."""
+    out: dict[str, torch.Tensor] = {}
+    for linear in linear_layout(cfg):
+        names = [p.name for p in linear.parts]
+        if linear.name == "lm_head" and cfg.tie_word_embeddings:
+            hf.pop("lm_head.weight", None)  # some checkpoints store the tied copy too
+            continue
+        if linear.name not in quantized:
+            out[linear.name + ".weight"] = torch.cat([hf.pop(n + ".weight") for n in names])
+        if all(n + ".bias" in hf for n in names):
+            out[linear.name + ".bias"] = torch.cat([hf.pop(n + ".bias") for n in names])
+    for name in list(hf):  # embeddings and norms: the HF name without the "model." prefix
+        if "rotary_emb" not in name:
+            out[name.removeprefix("model.")] = hf.pop(name)
+    return out
+
+
+def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
+    """The checkpoint's float dtype, except that an int4 weight-only (W4A16) checkpoint stored in
+    float32 runs in bfloat16: "A16" says 16-bit activations, the int4 kernel computes in bfloat16
+    anyway, and a float32 embedding / LM head would be the largest read of every decode step (113
+    of 170 MB on the embedded model). ``dtype=torch.float32`` (``--dtype float32``) still asks for it."""
+    weight_only_int4 = quantized and all(w.inputs is None and w.weights.num_bits == 4 for w in quantized.values())
+    return torch.bfloat16 if weight_only_int4 and stored == torch.float32 else stored
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto", hf_config: dict | None = None,
+               files: list[Path] | None = None) -> Transformer:
+    """Builds the model from an HF-format directory (config.json + safetensors).
+
+    ``kernels``: a ``KernelSet`` from infer.kernels.resolver, a function of the compute dtype giving
+    one, or a backend name for the resolver (``auto``: RMSNorm, rotary and SiLU through
+    kernels/layer_ops and bfloat16 linears prepacked for AMX tiles or oneDNN, runtime/model/packed_linear.py;
+    ``torch``: every step in plain torch ops). The choice changes speed and rounding, not the maths.
+    ``hf_config`` and ``files``: what a verified artifact already parsed and listed (else read here)."""
+    path = Path(path)
+    hf_config = hf_config if hf_config is not None else json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf(hf_config)
+    hf = read_state_dict(path, files)
+    quantized = {}
+    if hf_config.get("quantization_config"):  # compressed-tensors: quantized linears keep their packed weights
+        if not is_quantized_config(hf_config):
+            raise ValueError(f"quantization_config.quant_method "
+                             f"{hf_config['quantization_config'].get('quant_method')!r} is not supported; "
+                             f"supported: compressed-tensors")
+        quantized = take_quantized(hf, hf_config["quantization_config"], cfg)
+    state = fuse_hf_state_dict(hf, cfg, set(quantized))
+    dtype = dtype or _compute_dtype(state["embed_tokens.weight"].dtype, quantized)
+    if isinstance(kernels, str):
+        from infer.kernels.resolver import resolve
+
+        kernels = resolve(kernels, dtype=dtype, head_dim=cfg.head_dim)
+    elif callable(kernels):
+        kernels = kernels(dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict())
+    unused = sorted(k for k in state if k not in expected)
+    if unused:
+        raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]} ...")
+    state = {k: v.to(dtype) for k, v in state.items()}
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings and "lm_head" not in quantized:
+        model.lm_head.weight = model.embed_tokens.weight
+    if quantized:
+        from .quant_linear import make_linear
+
+        for name, qweight in quantized.items():
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr,
+                    make_linear(qweight, state.get(name + ".bias"), dtype))
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
+    model.use_fused_ops(kernels.layer_ops if dtype in (torch.float32, torch.bfloat16, torch.float16) else None)
+    if dtype == torch.bfloat16 and kernels.linear_kernel(dtype) != "torch":
+        from .packed_linear import pack_linears
+
+        pack_linears(model, kernels.amx_linear, kernels.onednn_linear)
+    model.kernels = kernels
+    return model.eval().requires_grad_(False)

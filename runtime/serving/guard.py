@@ -1,0 +1,49 @@
+"""The outermost ASGI layer: the API key and the body size, checked before any route runs."""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from .protocol import APIError
+
+
+class Guard:
+    """Outermost ASGI layer: API key, body size by Content-Length. Pure ASGI so streaming is untouched."""
+
+    OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
+
+    def __init__(self, app, state):
+        self.app = app
+        self.state = state
+
+    async def _error(self, send, err: APIError) -> None:
+        body = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(k.lower().encode(), str(v).encode()) for k, v in err.headers.items()]
+        await send({"type": "http.response.start", "status": err.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        key = self.state.config.api_key
+        if key and scope.get("path") not in self.OPEN_PATHS and scope.get("method") != "OPTIONS":
+            auth = headers.get("authorization", "")
+            given = auth[7:].strip() if auth[:7].lower() == "bearer " else headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return await self._error(send, APIError(
+                    401, "missing or incorrect API key: send it as 'Authorization: Bearer KEY'",
+                    type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                too_big = int(length) > self.state.config.max_body
+            except ValueError:
+                return await self._error(send, APIError(400, "bad Content-Length header", code="bad_request"))
+            if too_big:
+                return await self._error(send, APIError(
+                    413, f"the request body is {length} bytes, over the limit of {self.state.config.max_body}",
+                    code="request_too_large"))
+        return await self.app(scope, receive, send)

@@ -1,0 +1,81 @@
+"""The code's shape: imports run one way (pipeline -> eval -> runtime -> kernels) and no module of
+a package imports one that imports it back."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = {"pipeline": "infer.pipeline", "eval": "infer.eval", "runtime": "infer.runtime", "kernels": "infer.kernels"}
+# what each package may import of the others
+ALLOWED = {"pipeline": {"eval", "runtime", "kernels"}, "eval": {"runtime", "kernels"}, "runtime": {"kernels"},
+           "kernels": set()}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in (REPO / folder).rglob("*.py"):
+            rel = path.relative_to(REPO / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """Absolute names of the infer modules a module imports, anywhere in it (lazy imports included)."""
+    is_package = path.name == "__init__.py"
+    here = name.split(".") if is_package else name.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("infer.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[:len(here) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("infer."):
+                found.add(target)
+                found |= {f"{target}.{a.name}" for a in node.names}
+    return found
+
+
+def _package_of(module: str) -> str | None:
+    return next((folder for folder, pkg in PACKAGES.items() if module == pkg or module.startswith(pkg + ".")), None)
+
+
+def test_imports_run_one_way():
+    bad = []
+    for name, path in _modules().items():
+        own = _package_of(name)
+        for target in _imports(name, path):
+            other = _package_of(target)
+            if other and other != own and other not in ALLOWED[own]:
+                bad.append(f"{path.relative_to(REPO)} imports {target}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("folder", list(PACKAGES))
+def test_no_import_circles_between_modules(folder):
+    modules = _modules()
+    graph = {name: {t for t in _imports(name, path) if t in modules and t != name}
+             for name, path in modules.items() if _package_of(name) == folder}
+    package_inits = {n for n, p in modules.items() if p.name == "__init__.py"}
+
+    def reach(start):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):  # an __init__ that re-exports is a door, not a cycle
+                if nxt not in seen and nxt not in package_inits:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if b not in package_inits
+                      and a in reach(b)})
+    assert not circles, circles
