@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: infer-bench {serve,offline,single} [options]
+USAGE = """usage: infer-bench {serve,offline,single,tune} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
             requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s
   offline   the engine's throughput on 64 mixed requests against transformers generate (no server)
   single    one request's decode speed against transformers generate at batch 1 (no server)
+  tune      decode step time per batch bucket, the artifact's tuning.json against the defaults
 
 infer-bench COMMAND --help shows the options of each."""
 
@@ -24,11 +25,13 @@ def main(argv=None) -> None:
         from .serve import main as serve_main
 
         sys.exit(serve_main(rest))
-    if command in ("offline", "single"):
+    if command in ("offline", "single", "tune"):
         if command == "offline":
             from .throughput import main as bench_main
-        else:
+        elif command == "single":
             from .single import main as bench_main
+        else:
+            from .tune import main as bench_main
         bench_main(rest)
         sys.exit(0)
     print(f"infer-bench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)

@@ -1,27 +1,30 @@
 """Quantization benchmark: every scheme on the embedded model against float32 and bfloat16, same run.
 
-For each of float32, bfloat16 and the quantized recipes (smollm2_135m_{gptq,awq,w8a8,fp8}):
-- the quantize stage's wall time and peak RSS (each build runs as its own ``infer-build`` process,
-  with a private cache so nothing is reused; RSS is that process's peak, from ``wait4``),
+For each of float32, bfloat16 and the quantized schemes (SCHEMES: the smollm2_135m_* recipes, plus
+``gptq_llmc``, llm-compressor's own GPTQ driven directly on the same calibration windows):
+- the quantize stage's wall time and peak RSS (each build runs as its own ``infer-build`` process;
+  RSS is that process's peak, from ``wait4``); a build whose stages an earlier row already made
+  (``gptq_auto``'s first candidate is ``gptq``) reuses them from the one shared cache, and its
+  quantize seconds are those of the stage that made them,
 - the artifact's size,
 - perplexity on the evaluation split of pydoc_data.topics (disjoint from calibration),
+- on the chat prompts (eval/tasks/chat_prompts.jsonl through the chat template), against the
+  bfloat16 artifact: greedy agreement, and KL divergence and top-1 agreement over bfloat16's answers
+  (the bfloat16 row against float32: the floor),
 - decode tokens/s at batch 1 and batch 16 with the engine (greedy, ignore_eos): the time of
   ``N + 1`` generated tokens minus the time of 1, so prefill is not counted.
 
-    python -m infer.bench.quant [--schemes gptq,awq,w8a8,fp8] [--calib-samples 32] [--calib-seq-len 256]
-                                [--eval-windows 8] [--decode-tokens 32] [--json bench/results/quant.json]
-                                [--keep DIR [--reuse]] [--build-only] [--note TEXT]
+    python -m infer.bench.quant [--schemes fp8,gptq,...] [--calib-samples 128] [--calib-seq-len 512]
+                                [--eval-windows 16] [--chat-prompts 48] [--decode-tokens 32]
+                                [--json bench/results/quant.json] [--keep DIR [--reuse]] [--build-only] [--note TEXT]
     python -m infer.bench.quant --fp8-sensitivity FLOAT_ARTIFACT [--limit N] --json out.json
 
-``--keep DIR --build-only`` builds (and records the build figures of) some schemes, e.g. each with its
-own calibration; a later ``--keep DIR --reuse`` run measures every row in one process, so the speeds
-and perplexities compare within one run. Each reused row keeps the calibration it was built with
-(``calibration`` in the row).
+``--keep DIR --build-only`` builds (and records the build figures of) some schemes; a later
+``--keep DIR --reuse`` run measures every row in one process, so the speeds and perplexities compare
+within one run. Each reused row keeps the calibration it was built with (``calibration`` in the row).
 
 Calibration defaults are smaller than the recipes' (128 x 512): on a 2-core machine GPTQ takes
-minutes per model and AWQ's grid search is slower per sample (measured at one thread: GPTQ
-128 x 512 in 665 s, AWQ 32 x 256 in 619 s). Pass --calib-samples 128 --calib-seq-len 512 for the
-release settings.
+minutes per model. Pass --calib-samples 128 --calib-seq-len 512 for the release settings.
 """
 
 from __future__ import annotations
@@ -41,8 +44,17 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SCHEMES = {"gptq": "W4A16 GPTQ g64 sym", "awq": "W4A16 AWQ g64 sym", "w8a8": "W8A8 SmoothQuant+GPTQ",
-           "fp8": "FP8 dynamic"}
+# name: (label, infer-build overrides; None: built by llmcompressor_direct, then packaged)
+SCHEMES = {
+    "fp8": ("FP8 dynamic (layer 29's MLP in float)", ["recipe=smollm2_135m_fp8"]),
+    "w8a8": ("W8A8, SmoothQuant strength chosen by the gates", ["recipe=smollm2_135m_w8a8"]),
+    "gptq": ("W4A16 GPTQ g64 sym", ["recipe=smollm2_135m_gptq"]),
+    "gptq_llmc": ("W4A16 GPTQ g64 sym, llm-compressor driven directly", None),
+    "gptq_auto": ("W4A16 GPTQ g64, accuracy-gated mixed precision", ["recipe=smollm2_135m_gptq_auto"]),
+    "gptq_g32_asym": ("W4A16 GPTQ g32 asym", ["recipe=smollm2_135m_gptq_g32_asym"]),
+    "awq": ("W4A16 AWQ g64 sym", ["recipe=smollm2_135m_awq"]),
+}
+DEFAULT_SCHEMES = "fp8,gptq,gptq_llmc,gptq_auto,gptq_g32_asym,w8a8"
 
 
 def build(overrides: list[str], out: Path, cache: Path, threads: int | None = None) -> dict:
@@ -56,21 +68,94 @@ def build(overrides: list[str], out: Path, cache: Path, threads: int | None = No
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
+    code = os.waitstatus_to_exitcode(status)
+    failed = out.with_name(out.name + ".gate-failed") / "eval.json"
+    if code == 3 and failed.is_file():  # its gates stopped it: the row says which, and why
+        doc = json.loads(failed.read_text())
+        return {"gate_failed": [g["message"] for g in doc["gates"] if g["passed"] is False],
+                "selection": doc.get("selection"), "build_wall_s": round(wall, 1),
+                "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
+    if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed; see {cache / (out.name + '.log')}")
     manifest = json.loads((out / "manifest.json").read_text())
     quant_s = None
     if "quantize" in manifest["stages"]:
         record = cache / "stages" / "quantize" / manifest["stages"]["quantize"][:32] / "_stage.json"
         quant_s = json.loads(record.read_text())["seconds"]
-    size = sum(f["size"] for f in manifest["files"].values())
+    # the model and tokenizer files: not the evaluation report a gated build carries
+    size = sum(f["size"] for k, f in manifest["files"].items()
+               if not (k.startswith(("plots/", "report.")) or k == "eval.json"))
     calib = None
     if manifest.get("quantize") and manifest["quantize"].get("calibration"):
         c = manifest["quantize"]["calibration"]
-        calib = f"{c['samples']}x{c['seq_len']}"
+        calib = f"{c['samples']}x{c['seq_len']}" + (f" ({c['chat']['samples']} chat)" if c.get("chat") else "")
+    selection = (manifest.get("evaluation") or {}).get("selection")
     return {"build_wall_s": round(wall, 1), "quantize_s": quant_s, "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2),
             "artifact_mb": round(size / 1e6, 1), "calibration": calib,
-            "ignored": (manifest.get("quantize") or {}).get("ignore")}
+            "ignored": (manifest.get("quantize") or {}).get("ignore"),
+            "wide_layers": len((manifest.get("quantize") or {}).get("wide_layers") or []),
+            "smoothing_strength": (manifest.get("quantize") or {}).get("smoothing_strength"),
+            "selection": None if not selection else {
+                "chosen": selection["chosen"],
+                "candidates": [{k: r.get(k) for k in ("candidate", "passed", "size_bytes", "ppl_increase_pct",
+                                                       "chat_mean_kld", "chat_top1_agreement", "greedy_agreement")}
+                               for r in selection["candidates"]]}}
+
+
+def llmcompressor_direct(src: Path, out: Path, samples: int, seq_len: int) -> None:
+    """llm-compressor's GPTQ as its own documentation drives it: ``oneshot`` with a ``GPTQModifier`` at its
+    defaults (only group size 64, which SmolLM2's 576 needs, and lm_head left out), on exactly the token
+    windows infer-build's smollm2_135m_gptq recipe calibrates on (calibration_windows), in their order.
+    The comparison row for this project's quantize stage."""
+    import transformers
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.gptq import GPTQModifier
+
+    from infer.pipeline.config import compose_recipe
+    from infer.pipeline.quantize import COPIED_FILES, calibration_windows
+
+    cfg = compose_recipe(["recipe=smollm2_135m_gptq", f"calib.samples={samples}", f"calib.seq_len={seq_len}"])
+    windows, _ = calibration_windows(cfg, src)
+    model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    recipe = GPTQModifier(targets="Linear", ignore=["lm_head"], config_groups={"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                                           "group_size": 64}}})
+    ds = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
+    # no shuffling (llm-compressor's default shuffles): the same order of Hessian sums as the stage, so that
+    # equal settings give a bit-identical checkpoint (shuffled: measured +-1.6% perplexity at 4 x 64)
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(windows), max_seq_length=seq_len,
+            shuffle_calibration_samples=False)
+    model.save_pretrained(out, save_compressed=True)
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    config = json.loads((out / "config.json").read_text())
+    config.setdefault("rope_theta", json.loads((src / "config.json").read_text()).get("rope_theta"))
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+
+
+def build_direct(src: Path, out: Path, cache: Path, samples: int, seq_len: int, threads: int | None) -> dict:
+    """llmcompressor_direct in its own process (timed, its peak RSS), then packaged as a compressed-tensors
+    source by infer-build (copied as it is)."""
+    hf = cache / f"{out.name}-hf"
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    cmd = [sys.executable, "-m", "infer.bench.quant", "--llmcompressor-direct", str(src), str(hf),
+           "--calib-samples", str(samples), "--calib-seq-len", str(seq_len)]
+    start = time.perf_counter()
+    if not (hf / "config.json").is_file():
+        with open(cache / f"{out.name}-direct.log", "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            _, status, usage = os.wait4(proc.pid, 0)
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed; see {cache / (out.name + '-direct.log')}")
+        rss = round(usage.ru_maxrss / 2**20, 2)
+    else:
+        rss = None
+    seconds = round(time.perf_counter() - start, 1)
+    built = build(["recipe=smollm2_135m", f"model.source={hf}", "artifact.name=smollm2-135m-instruct-gptq-llmc"],
+                  out, cache, threads)
+    return {**built, "quantize_s": seconds, "peak_rss_gb": rss, "calibration": f"{samples}x{seq_len} (the gptq row's windows)"}
 
 
 def perplexity(path: Path, windows: int, seq_len: int) -> float:
@@ -159,17 +244,38 @@ def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = 
     return dict(sorted(out.items(), key=lambda kv: -kv[1]["kl"]))
 
 
+def chat_metrics(path: Path, baseline: Path, prompts: int, tokens: int) -> dict:
+    """Against ``baseline`` on the chat prompts (eval/tasks/chat_prompts.jsonl, chat template applied):
+    greedy agreement, and KL divergence and top-1 agreement over the baseline's answers."""
+    from infer.eval.metrics import compare_on_chat, load_prompts
+    from infer.eval.runner import open_llm
+
+    ps = load_prompts("default", prompts)
+    c = compare_on_chat(open_llm(path, 512 + tokens), open_llm(baseline, 512 + tokens), ps, tokens)
+    return {k: round(c[k], 4) if isinstance(c[k], float) else c[k] for k in
+            ("prompts", "chat_tokens", "greedy_agreement", "greedy_exact_match", "chat_mean_kld", "chat_top1_agreement")}
+
+
+def host_info() -> dict:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), None)
+    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(), "amx": " amx_tile" in flags,
+            "load_average": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--schemes", default="gptq,awq,w8a8,fp8")
+    ap.add_argument("--schemes", default=DEFAULT_SCHEMES, help=f"of {', '.join(SCHEMES)}")
     ap.add_argument("--calib-samples", type=int, default=32)
     ap.add_argument("--calib-seq-len", type=int, default=256)
     ap.add_argument("--eval-windows", type=int, default=8)
     ap.add_argument("--eval-seq-len", type=int, default=512)
+    ap.add_argument("--chat-prompts", type=int, default=48, help="chat prompts for the agreement with bfloat16")
+    ap.add_argument("--chat-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the builds and the speed runs")
     ap.add_argument("--json", type=Path, default=RESULTS / "quant.json")
-    ap.add_argument("--keep", type=Path, default=None, help="keep the artifacts (and build figures) here")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the artifacts, the cache and build figures here")
     ap.add_argument("--reuse", action="store_true", help="with --keep: reuse artifacts built by an earlier run")
     ap.add_argument("--build-only", action="store_true", help="with --keep: build (or reuse), measure nothing")
     ap.add_argument("--note", default=None, help="a note saved with the results (where rows come from, load)")
@@ -177,9 +283,13 @@ def main(argv=None) -> dict:
                     help="rank the linear layers of a float artifact by their FP8 error alone (one window of "
                          "--eval-seq-len tokens; see fp8_sensitivity), print them, write --json, build nothing")
     ap.add_argument("--limit", type=int, default=None, help="with --fp8-sensitivity: the first N layers only")
+    ap.add_argument("--llmcompressor-direct", nargs=2, type=Path, metavar=("SRC", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.llmcompressor_direct:
+        llmcompressor_direct(*args.llmcompressor_direct, args.calib_samples, args.calib_seq_len)
+        return {}
     if args.fp8_sensitivity:
         ranked = fp8_sensitivity(args.fp8_sensitivity, 1, args.eval_seq_len, args.limit)
         total = sum(r["kl"] for r in ranked.values())
@@ -188,32 +298,48 @@ def main(argv=None) -> dict:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"benchmark": "fp8_sensitivity", "layers": ranked}, indent=1) + "\n")
         return ranked
+    names = [s for s in args.schemes.split(",") if s]
+    unknown = [s for s in names if s not in SCHEMES]
+    if unknown:
+        ap.error(f"--schemes: unknown {', '.join(unknown)}; valid choices: {', '.join(SCHEMES)}")
     work = Path(tempfile.mkdtemp(prefix="infer-bench-quant-"))
     keep = args.keep or work / "artifacts"
     keep.mkdir(parents=True, exist_ok=True)
+    cache = keep / "cache"  # one cache: a row that needs another's stages (gptq_auto: gptq's) reuses them
+    cache.mkdir(exist_ok=True)
     calib = [f"calib.samples={args.calib_samples}", f"calib.seq_len={args.calib_seq_len}"]
-    runs = [("float32", ["recipe=smollm2_135m"]), ("bfloat16", ["recipe=smollm2_135m", "model.dtype=bfloat16"])]
-    runs += [(s, [f"recipe=smollm2_135m_{s}", *calib]) for s in args.schemes.split(",") if s]
+    runs = [("float32", "float32", ["recipe=smollm2_135m"]),
+            ("bfloat16", "bfloat16", ["recipe=smollm2_135m", "model.dtype=bfloat16"])]
+    runs += [(n, SCHEMES[n][0], None if SCHEMES[n][1] is None else [*SCHEMES[n][1], *calib]) for n in names]
     rows = []
     try:
-        for name, overrides in runs:
-            cache = work / f"cache-{name}"
-            cache.mkdir()
+        for name, label, overrides in runs:
             out = keep / name
             figures = keep / f"{name}.build.json"
             if args.reuse and figures.is_file() and (out / "manifest.json").is_file():
                 built = json.loads(figures.read_text())
             else:
                 print(f"[{name}] building ...", file=sys.stderr, flush=True)
-                built = build(overrides, out, cache, args.threads)
+                shutil.rmtree(out, ignore_errors=True)
+                built = (build(overrides, out, cache, args.threads) if overrides is not None else
+                         build_direct(keep / "float32", out, cache, args.calib_samples, args.calib_seq_len,
+                                      args.threads))
                 figures.write_text(json.dumps(built))
             if args.build_only:
                 print(f"[{name}] built: {json.dumps(built)}", file=sys.stderr, flush=True)
                 continue
-            built = dict(built)
-            row = {"scheme": name, "label": built.pop("label", SCHEMES.get(name, name)), **built}
+            row = {"scheme": name, "label": label, **built}
+            if built.get("gate_failed"):
+                print(f"[{name}] not published, its gates failed: {built['gate_failed']}", file=sys.stderr, flush=True)
+                rows.append(row)
+                continue
             print(f"[{name}] perplexity ...", file=sys.stderr, flush=True)
             row["perplexity"] = round(perplexity(out, args.eval_windows, args.eval_seq_len), 3)
+            print(f"[{name}] chat prompts against {'float32' if name == 'bfloat16' else 'bfloat16'} ...",
+                  file=sys.stderr, flush=True)
+            row["chat_vs"] = "float32" if name == "bfloat16" else "bfloat16"
+            if name != "float32":
+                row.update(chat_metrics(out, keep / row["chat_vs"], args.chat_prompts, args.chat_tokens))
             for b in (1, 16):
                 print(f"[{name}] decode batch {b} ...", file=sys.stderr, flush=True)
                 row[f"decode_tok_s_b{b}"] = round(decode_speed(out, b, args.decode_tokens), 1)
@@ -223,17 +349,19 @@ def main(argv=None) -> dict:
         if args.keep is None:
             shutil.rmtree(work, ignore_errors=True)
     if args.build_only:
-        return {"built": [name for name, _ in runs]}
+        return {"built": [name for name, _, _ in runs]}
     base = next(r for r in rows if r["scheme"] == "float32")
+    failed_rows = [r for r in rows if r.get("gate_failed")]
+    rows = [r for r in rows if not r.get("gate_failed")]
     for r in rows:
         r["ppl_vs_fp32_pct"] = round(100 * (r["perplexity"] / base["perplexity"] - 1), 2)
         r["decode_b1_vs_fp32"] = round(r["decode_tok_s_b1"] / base["decode_tok_s_b1"], 2)
         r["decode_b16_vs_fp32"] = round(r["decode_tok_s_b16"] / base["decode_tok_s_b16"], 2)
-    result = {"benchmark": "quant", "model": "embedded:smollm2-135m-instruct", "host": platform.node(),
-              "cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+    result = {"benchmark": "quant", "model": "embedded:smollm2-135m-instruct", **host_info(),
+              "cpu_threads": torch.get_num_threads(),
               **({"note": args.note} if args.note else {}),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "note"},
-              "rows": rows}
+              "rows": rows, "not_published": failed_rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(table(rows))
@@ -241,16 +369,16 @@ def main(argv=None) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| scheme | quantize s | peak RSS GB | size MB | perplexity (vs fp32) | decode tok/s b1 (vs fp32) "
-            "| decode tok/s b16 (vs fp32) |\n|---|---|---|---|---|---|---|")
+    head = ("| scheme | calibration | quantize s | size MB | perplexity (vs fp32) | chat greedy agreement | chat KLD "
+            "| chat top-1 | decode tok/s b1 (vs fp32) | decode tok/s b16 (vs fp32) |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        q = "-" if r["quantize_s"] is None else f"{r['quantize_s']:.0f}"
-        rss = "-" if r["peak_rss_gb"] is None else r["peak_rss_gb"]
-        label = r["label"] + (f" ({r['calibration']} calib)" if r.get("calibration") else "")
-        lines.append(f"| {label} | {q} | {rss} | {r['artifact_mb']} | {r['perplexity']:.2f} "
-                     f"({r['ppl_vs_fp32_pct']:+.1f}%) | {r['decode_tok_s_b1']:.1f} ({r['decode_b1_vs_fp32']:.2f}x) "
-                     f"| {r['decode_tok_s_b16']:.1f} ({r['decode_b16_vs_fp32']:.2f}x) |")
+        q = "-" if r.get("quantize_s") is None else f"{r['quantize_s']:.0f}"
+        chat = [f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in ("greedy_agreement", "chat_mean_kld",
+                                                                          "chat_top1_agreement")]
+        lines.append(f"| {r['label']} | {r.get('calibration') or '-'} | {q} | {r['artifact_mb']} | {r['perplexity']:.2f} "
+                     f"({r['ppl_vs_fp32_pct']:+.1f}%) | {' | '.join(chat)} | {r['decode_tok_s_b1']:.1f} "
+                     f"({r['decode_b1_vs_fp32']:.2f}x) | {r['decode_tok_s_b16']:.1f} ({r['decode_b16_vs_fp32']:.2f}x) |")
     return "\n".join(lines)
 
 

@@ -8,9 +8,16 @@ accuracy gates measure on the second.
 A recipe's ``calib.data`` (or ``eval.data``) may instead name a user's data:
 - ``pydoc_topics``: the built-in split (calibration or evaluation, by who asks);
 - a ``.txt`` file: its whole text, one document (windows are cut from the token stream anyway);
-- a ``.jsonl`` file: one JSON object a line, its ``text`` field;
+- a ``.jsonl`` file: one JSON object a line, its ``text`` field, or a conversation
+  (``{"messages": [{"role": "user", "content": ...}, ...]}``);
 - a directory: a dataset saved with ``datasets.Dataset.save_to_disk`` (a ``text`` column), or
   else every ``*.txt`` / ``*.jsonl`` file in it, in sorted order.
+
+Calibration also covers what the model is asked as a chat model (``calib.chat_fraction``):
+``conversations`` gives the data's own conversations, or else builds user/assistant turns from
+its documents (a question about a passage's topic, the passage as the answer);
+``chat_windows`` renders them through the model's chat template, special tokens included, each
+window starting where a conversation starts, as a chat request does.
 
 Everything here is deterministic: the same data, tokenizer, seed and sizes give the same windows.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -46,8 +54,20 @@ def evaluation_texts() -> list[str]:
     return [text for _, text in _topics()[1::2]]
 
 
-def _jsonl(path: Path, key: str = "calib.data") -> list[str]:
-    texts = []
+ROLES = ("system", "user", "assistant")
+
+
+def _messages(value, where: str) -> list[dict]:
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str) for m in value):
+        raise DataError(f"{where}: 'messages' must be a non-empty list of {{\"role\": one of {', '.join(ROLES)}, "
+                        f"\"content\": \"...\"}}")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _jsonl_rows(path: Path, key: str) -> list[str | list[dict]]:
+    """A .jsonl file's rows: a document (``text``) or a conversation (``messages``) each."""
+    rows: list[str | list[dict]] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -55,11 +75,23 @@ def _jsonl(path: Path, key: str = "calib.data") -> list[str]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{key}={path}: line {n} is not JSON ({e.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+        if isinstance(row, dict) and "messages" in row:
+            rows.append(_messages(row["messages"], f"{key}={path}: line {n}"))
+        elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            rows.append(row["text"])
+        else:
             raise DataError(f"{key}={path}: line {n} has no string 'text' field; each line must be "
-                            f'{{"text": "..."}}')
-        texts.append(row["text"])
-    return texts
+                            f'{{"text": "..."}} or {{"messages": [...]}}')
+    return rows
+
+
+def _flatten(conversation: list[dict]) -> str:
+    return "\n\n".join(m["content"] for m in conversation)
+
+
+def _jsonl(path: Path, key: str = "calib.data") -> list[str]:
+    """A .jsonl file's documents; a conversation counts as the text of its turns."""
+    return [r if isinstance(r, str) else _flatten(r) for r in _jsonl_rows(path, key)]
 
 
 def load_texts(data: str, split: str = "calibration", key: str = "calib.data") -> list[str]:
@@ -100,6 +132,109 @@ def load_texts(data: str, split: str = "calibration", key: str = "calib.data") -
     if not texts:
         raise DataError(f"{key}={data!r}: no text in it")
     return texts
+
+
+def load_conversations(data: str, key: str = "calib.data") -> list[list[dict]]:
+    """The conversations ``data`` holds itself: ``{"messages": [...]}`` rows of .jsonl files (or a
+    ``messages`` column of a saved dataset). Empty for the built-in corpus and plain text."""
+    if data == BUILTIN:
+        return []
+    path = Path(data).expanduser()
+    if path.is_file():
+        files = [path] if path.suffix == ".jsonl" else []
+    elif (path / "dataset_info.json").is_file() or (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+        import datasets
+
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train" if "train" in ds else sorted(ds)[0]]
+        if "messages" not in ds.column_names:
+            return []
+        return [_messages(m, f"{key}={data!r}: row {i}") for i, m in enumerate(ds["messages"])]
+    else:
+        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file()) if path.is_dir() else []
+    return [r for f in files for r in _jsonl_rows(f, key) if not isinstance(r, str)]
+
+
+# A chat user asks about something; the calibration passage answers. Which question a passage gets
+# depends only on its position and the seed.
+QUESTIONS = (
+    "What is {topic}?",
+    "Explain {topic}.",
+    "Can you explain {topic} with an example?",
+    "How does {topic} work in Python?",
+    "Summarize what the documentation says about {topic}.",
+    "I have a question about {topic}. What should I know?",
+    "Tell me about {topic}.",
+    "What are the rules for {topic}?",
+)
+CHUNK_CHARS = 1200  # an answer of a few hundred tokens: a chat turn's length, not a whole document
+
+
+def _topic(line: str) -> str:
+    t = re.sub(r"[*=#`_\-]+", " ", line).strip(" .:")
+    t = " ".join(t.split())
+    if t.startswith("The "):
+        t = "the " + t[4:]
+    if len(t) > 80:
+        t = t[:80].rsplit(" ", 1)[0]
+    return t or "this"
+
+
+def conversations_from_texts(texts: Sequence[str], seed: int = 0) -> list[list[dict]]:
+    """User/assistant turns built from documents: each document cut at blank lines into passages of
+    about CHUNK_CHARS; the user asks about the document's topic (its first line), the assistant's answer
+    is the passage (a title and its underline are not repeated in it)."""
+    rng = random.Random(seed)
+    out: list[list[dict]] = []
+    for text in texts:
+        lines = text.strip().splitlines()
+        if not lines:
+            continue
+        topic = _topic(lines[0])
+        body = lines[1:] if len(lines) > 1 and len(lines[0]) <= 80 else lines
+        while body and (not body[0].strip() or re.fullmatch(r"[*=#\-~^]+", body[0].strip())):
+            body = body[1:]
+        paragraphs = [p.strip("\n") for p in re.split(r"\n\s*\n", "\n".join(body)) if p.strip()]
+        chunk: list[str] = []
+        for para in paragraphs + [None]:
+            if chunk and (para is None or sum(map(len, chunk)) + len(para) > CHUNK_CHARS):
+                question = QUESTIONS[rng.randrange(len(QUESTIONS))].format(topic=topic)
+                out.append([{"role": "user", "content": question}, {"role": "assistant", "content": "\n\n".join(chunk)}])
+                chunk = []
+            if para is not None:
+                chunk.append(para)
+    return out
+
+
+def chat_windows(conversations: Sequence[list[dict]], render, seq_len: int, samples: int,
+                 seed: int = 0) -> list[list[int]]:
+    """``samples`` windows of exactly ``seq_len`` tokens of rendered conversations (``render(messages)
+    -> ids``, the chat template with its special tokens). Each window starts at a conversation's
+    first token (a chat request's position 0, where the largest activations are) and runs on through
+    the following conversations; seeded choice of the starting conversations, in order."""
+    if samples <= 0:
+        return []
+    if not conversations:
+        raise DataError("calib.chat_fraction: the data has no conversations to render; set calib.chat_fraction=0")
+    rendered = [list(render(c)) for c in conversations]
+    n = len(rendered)
+    if sum(map(len, rendered)) < seq_len:
+        raise DataError(f"calib.seq_len={seq_len}: the conversations hold only {sum(map(len, rendered))} tokens, "
+                        f"less than one window; use shorter windows or more data")
+    if samples <= n:
+        starts = sorted(random.Random(seed).sample(range(n), samples))
+    else:  # fewer conversations than windows: every conversation starts several
+        starts = [i % n for i in range(samples)]
+    windows = []
+    for s in starts:
+        ids: list[int] = []
+        i = s
+        while len(ids) < seq_len:
+            ids += rendered[i % n]
+            i += 1
+        windows.append(ids[:seq_len])
+    return windows
 
 
 def texts_digest(texts: Sequence[str]) -> str:

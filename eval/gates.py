@@ -22,7 +22,11 @@ GATES: dict[str, GateDef] = {g.name: g for g in (
     GateDef("top1_agreement_min", "top1_agreement", ">=", "", "share of tokens whose top-1 prediction matches the baseline's"),
     GateDef("mean_kld_max", "mean_kld", "<=", "", "mean KL divergence of next-token distributions from the baseline's"),
     GateDef("greedy_agreement_min", "greedy_agreement", ">=", "",
-            "mean common-prefix share of greedy generations against the baseline's"),
+            "mean common-prefix share of greedy answers to chat prompts against the baseline's"),
+    GateDef("chat_top1_agreement_min", "chat_top1_agreement", ">=", "",
+            "share of the baseline's answer tokens to chat prompts whose top-1 prediction matches the baseline's"),
+    GateDef("chat_mean_kld_max", "chat_mean_kld", "<=", "",
+            "mean KL divergence from the baseline's next-token distributions over its answers to chat prompts"),
 )}
 
 

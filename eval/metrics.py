@@ -9,8 +9,13 @@
   ``perplexity --kl-divergence`` reports: mean / median / p90 / p99 / max KL divergence
   KL(baseline || variant), top-1 agreement ("same top p"), RMS and mean change of the
   probability of the correct token, and the log ratio of perplexities.
-- Greedy-generation agreement: both engines generate greedily from a prompt set; the score is
-  the mean, over prompts, of the common prefix length over the longer output.
+- On chat prompts, what a chat user sees: each prompt of the prompt set rendered through the
+  artifact's chat template (special tokens, system prompt, generation prompt), as ``infer-run
+  --prompt`` and ``/v1/chat/completions`` send it. Both engines answer greedily: greedy agreement is
+  the mean, over prompts, of the common prefix length over the longer answer. Then both models
+  read the baseline's answers (teacher forcing) and the KL divergence and top-1 agreement of
+  their next-token distributions over the answer tokens give ``chat_mean_kld`` and
+  ``chat_top1_agreement``: the raw-text statistics, where the user reads.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import torch
 from .runner import open_llm
 from .settings import EvalError, EvalSettings
 
-EVAL_VERSION = 1  # bump when a metric's definition changes: cached evaluations then stop matching
-PROMPTS_FILE = Path(__file__).parent / "tasks" / "prompts.jsonl"  # in tasks/: shipped as package data
+EVAL_VERSION = 2  # bump when a metric's definition changes: cached evaluations then stop matching
+PROMPTS_FILE = Path(__file__).parent / "tasks" / "chat_prompts.jsonl"  # in tasks/: shipped as package data; the first 16 are prompts.jsonl
 
 
 # ---------------------------------------------------------------------------- data
@@ -145,6 +150,7 @@ def engine_perplexity(llm, windows: Sequence[Window]) -> dict:
 def compare_distributions(variant_model, baseline_model, windows: Sequence[Window]) -> dict:
     """llama.cpp's --kl-divergence statistics from both models' full next-token distributions."""
     klds, agree, nll_v, nll_b, dp = [], [], [], [], []
+    per_window = []
     start = time.perf_counter()
     hidden_v, hidden_b = _LayerTap(variant_model), _LayerTap(baseline_model)
     layer_err: list[list[float]] = []
@@ -166,6 +172,7 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         nll_v.append(-tv.double().numpy())
         nll_b.append(-tb.double().numpy())
         dp.append((tv.exp() - tb.exp()).double().numpy())
+        per_window.append((float(klds[-1].mean()), float(agree[-1].mean()), int(klds[-1].size)))
         del lv, lb
     hidden_v.remove(), hidden_b.remove()
     kld, same, nv, nb, delta = (np.concatenate(x) for x in (klds, agree, nll_v, nll_b, dp))
@@ -185,6 +192,8 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         "mean_delta_p": float(delta.mean()),
         # relative L2 error of each decoder layer's output hidden states against the baseline's
         "layer_hidden_error": [float(x) for x in np.mean(layer_err, axis=0)] if layer_err else None,
+        # per window (a chat prompt's answer): mean KLD, top-1 agreement, tokens: for the spread over prompts
+        "per_window": [{"mean_kld": k, "top1_agreement": a, "tokens": n} for k, a, n in per_window],
         "seconds": round(time.perf_counter() - start, 3),
     }
 
@@ -205,14 +214,36 @@ class _LayerTap:
         self.outputs.append((output[0] if isinstance(output, tuple) else output).detach())
 
 
-def greedy_outputs(llm, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
-    """Greedy continuations, each prompt through the chat template when the artifact has one."""
+def chat_prompt_ids(tok, prompts: Sequence[str]) -> list[list[int]]:
+    """Each prompt as a chat request's tokens: the chat template with the generation prompt (raw
+    text where the artifact has no template)."""
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if tok.chat_template else p for p in prompts]
+    return [tok.encode(t) for t in texts]
+
+
+def greedy_outputs(llm, prompts: Sequence[str] | Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy continuations; text prompts go through the chat template when the artifact has one."""
     from infer.runtime import SamplingParams
 
-    tok = llm.tokenizer
-    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if tok.chat_template else p for p in prompts]
-    outs = llm.generate(texts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    ids = chat_prompt_ids(llm.tokenizer, prompts) if prompts and isinstance(prompts[0], str) else [list(p) for p in prompts]
+    outs = llm.generate(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     return [list(o.token_ids) for o in outs]
+
+
+def compare_on_chat(llm, base_llm, prompts: Sequence[str], max_tokens: int) -> dict:
+    """Greedy agreement on chat prompts, then both models' next-token distributions over the
+    baseline's answers: KL divergence and top-1 agreement where the user reads."""
+    ids = chat_prompt_ids(llm.tokenizer, prompts)
+    ours, theirs = greedy_outputs(llm, ids, max_tokens), greedy_outputs(base_llm, ids, max_tokens)
+    out = greedy_agreement(ours, theirs)
+    windows = [Window(p + a, len(p)) for p, a in zip(ids, theirs) if a]
+    if windows:
+        comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows)
+        out.update(chat_tokens=comp["tokens"], chat_mean_kld=comp["mean_kld"], chat_p99_kld=comp["p99_kld"],
+                   chat_max_kld=comp["max_kld"], chat_top1_agreement=comp["top1_agreement"],
+                   chat_per_prompt=comp["per_window"])
+    out["chat_template"] = bool(llm.tokenizer.chat_template)
+    return out
 
 
 def greedy_agreement(variant: Sequence[Sequence[int]], baseline: Sequence[Sequence[int]]) -> dict:
@@ -227,7 +258,8 @@ def greedy_agreement(variant: Sequence[Sequence[int]], baseline: Sequence[Sequen
         scores.append(n / longest if longest else 1.0)
         exact.append(list(a) == list(b))
     return {"prompts": len(scores), "greedy_agreement": float(np.mean(scores)) if scores else 1.0,
-            "greedy_exact_match": float(np.mean(exact)) if exact else 1.0}
+            "greedy_exact_match": float(np.mean(exact)) if exact else 1.0,
+            "greedy_per_prompt": [round(x, 4) for x in scores]}
 
 
 # ---------------------------------------------------------------------------- one evaluation
@@ -276,7 +308,8 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
             result["comparison"] = {"tokens": data_info["tokens_scored"], "mean_kld": 0.0, "median_kld": 0.0,
                                     "p90_kld": 0.0, "p99_kld": 0.0, "max_kld": 0.0, "top1_agreement": 1.0,
                                     "ln_ppl_ratio": 0.0, "rms_delta_p": 0.0, "mean_delta_p": 0.0,
-                                    "prompts": len(prompts), "greedy_agreement": 1.0, "greedy_exact_match": 1.0}
+                                    "prompts": len(prompts), "greedy_agreement": 1.0, "greedy_exact_match": 1.0,
+                                    "chat_mean_kld": 0.0, "chat_top1_agreement": 1.0}
         else:
             base_llm = open_llm(base, max_len)
             if base_llm.tokenizer.encode("Hello, world! 123") != llm.tokenizer.encode("Hello, world! 123"):
@@ -287,9 +320,8 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
             say("KL divergence and top-1 agreement against the baseline")
             comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows)
             if prompts:
-                say("greedy agreement on %d prompts", len(prompts))
-                comp.update(greedy_agreement(greedy_outputs(llm, prompts, settings.greedy_tokens),
-                                             greedy_outputs(base_llm, prompts, settings.greedy_tokens)))
+                say("chat prompts: greedy agreement, KL divergence and top-1 agreement on %d prompts", len(prompts))
+                comp.update(compare_on_chat(llm, base_llm, prompts, settings.greedy_tokens))
             result["comparison"] = comp
             del base_llm
         p, pb = result["perplexity"]["ppl"], result["baseline_perplexity"]["ppl"]

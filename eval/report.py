@@ -17,7 +17,9 @@ _METRICS = (  # (label, path into the evaluation, higher is better)
     ("perplexity", ("perplexity", "ppl"), False),
     ("mean KLD", ("comparison", "mean_kld"), False),
     ("top-1 agreement", ("comparison", "top1_agreement"), True),
-    ("greedy agreement", ("comparison", "greedy_agreement"), True),
+    ("greedy agreement (chat)", ("comparison", "greedy_agreement"), True),
+    ("mean KLD (chat)", ("comparison", "chat_mean_kld"), False),
+    ("top-1 agreement (chat)", ("comparison", "chat_top1_agreement"), True),
 )
 
 
@@ -77,13 +79,13 @@ def plot_metrics(doc: dict, path: Path) -> Path:
     plt = _plt()
     ev = doc.get("evaluation", {})
     has_base = ev.get("comparison") is not None
-    fig, axes = plt.subplots(1, 4, figsize=(12, 3))
+    fig, axes = plt.subplots(1, len(_METRICS), figsize=(3 * len(_METRICS), 3))
     name = _get(ev, ("artifact", "name")) or "artifact"
     for ax, (label, path_, _) in zip(axes, _METRICS):
         v = _get(ev, path_)
         if label == "perplexity":
             b = _get(ev, ("baseline_perplexity", "ppl"))
-        elif label == "mean KLD":
+        elif label.startswith("mean KLD"):
             b = 0.0 if has_base else None
         else:
             b = 1.0 if has_base else None
@@ -134,13 +136,22 @@ def _metric_rows(ev: dict) -> list[list[str]]:
     comp = ev.get("comparison") or {}
     for key in ("ppl_increase_pct", "mean_kld", "median_kld", "p90_kld", "p99_kld", "max_kld", "top1_agreement",
                 "rms_delta_p", "mean_delta_p", "ln_ppl_ratio", "greedy_agreement", "greedy_exact_match", "prompts",
-                "tokens"):
+                "tokens", "chat_mean_kld", "chat_p99_kld", "chat_max_kld", "chat_top1_agreement", "chat_tokens"):
         if key in comp:
             rows.append([key, _num(comp[key]), ""])
     for task, metrics in (ev.get("tasks") or {}).items():
         for m, v in metrics.items():
             rows.append([f"{task} {m}", _num(v), _num(_get(ev, ("baseline_tasks", task, m)))])
     return rows
+
+
+def _candidate_cells(r: dict) -> list[str]:
+    settings = ", ".join(f"{k}={v if not isinstance(v, list) or len(v) <= 4 else f'[{len(v)} layers]'}"
+                         for k, v in (r.get("settings") or {}).items())
+    size = f"{r['size_bytes'] / 1e6:.1f}" if r.get("size_bytes") else "n/a"
+    return [r["candidate"], settings, size, *(_num(r.get(k)) for k in (
+        "ppl_increase_pct", "mean_kld", "top1_agreement", "greedy_agreement", "chat_mean_kld", "chat_top1_agreement")),
+            "PASS" if r.get("passed") else "FAIL"]
 
 
 def _stage_rows(doc: dict) -> list[list[str]]:
@@ -174,6 +185,13 @@ def _sections(doc: dict) -> list[tuple[str, str, object]]:
     verdict = "all gates passed" if passed else "GATES FAILED: not published" if passed is False else "no gates"
     out = [("Verdict", "p", verdict)]
     out.append(("Gates", "table", (["gate", "metric", "value", "threshold", "verdict"], _gate_rows(doc))))
+    sel = doc.get("selection")
+    if sel:
+        out.append(("Selection", "p", f"{sel['key']} chosen by the gates ({sel['rule']}): "
+                                      f"{sel.get('chosen') or 'no candidate passed'}"))
+        out.append(("Candidates", "table", (["candidate", "settings", "size MB", "ppl +%", "mean KLD", "top-1",
+                                             "greedy (chat)", "KLD (chat)", "top-1 (chat)", "verdict"],
+                                            [_candidate_cells(r) for r in sel["candidates"]])))
     out.append(("Metrics", "table", (["metric", "artifact", "baseline"], _metric_rows(ev))))
     data = ev.get("data") or {}
     out.append(("Evaluation data", "p",
@@ -238,6 +256,11 @@ def write_report(out_dir: str | Path, doc: dict) -> list[Path]:
         plots.append(plot_layer_errors({str(i): v for i, v in enumerate(hidden)}, out / PLOTS / "layer_hidden_error.png",
                                        "per-layer hidden-state error against the baseline (relative L2)",
                                        "relative L2 error"))
+    sens = _get(doc, ("selection", "sensitivity"))
+    if sens:
+        plots.append(plot_layer_errors(sens, out / PLOTS / "sensitivity.png",
+                                       "per-linear sensitivity: KL(float || only this linear quantized), per token",
+                                       "mean KL divergence"))
     doc["plots"] = [p.relative_to(out).as_posix() for p in plots]
     ev = doc.get("evaluation", {})
     title = f"Build report: {_get(ev, ('artifact', 'name')) or 'artifact'} {_get(ev, ('artifact', 'version')) or ''}".strip()
@@ -269,7 +292,7 @@ def write_comparison(out_dir: str | Path, docs: list[dict]) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     plt = _plt()
     labels = [f"{i}: {variant_label(d)}" for i, d in enumerate(docs)]
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+    fig, axes = plt.subplots(1, len(_METRICS), figsize=(3.5 * len(_METRICS), 3.6))
     for ax, (label, path_, _) in zip(axes, _METRICS):
         values = [_get(d.get("evaluation"), path_) for d in docs]
         ax.bar(range(len(docs)), [v if v is not None else 0.0 for v in values], color="#1f77b4")
@@ -283,7 +306,8 @@ def write_comparison(out_dir: str | Path, docs: list[dict]) -> list[Path]:
         ax.set_title(label, fontsize=10)
     fig.tight_layout()
     _save(fig, out / PLOTS / "comparison.png")
-    head = ["variant", "artifact", "perplexity", "baseline ppl", "ppl +%", "mean KLD", "top-1", "greedy", "gates"]
+    head = ["variant", "artifact", "perplexity", "baseline ppl", "ppl +%", "mean KLD", "top-1", "greedy (chat)",
+            "KLD (chat)", "top-1 (chat)", "gates"]
     rows = []
     for lab, d in zip(labels, docs):
         ev = d.get("evaluation") or {}
@@ -291,6 +315,7 @@ def write_comparison(out_dir: str | Path, docs: list[dict]) -> list[Path]:
                      _num(_get(ev, ("baseline_perplexity", "ppl"))), _num(_get(ev, ("comparison", "ppl_increase_pct"))),
                      _num(_get(ev, ("comparison", "mean_kld"))), _num(_get(ev, ("comparison", "top1_agreement"))),
                      _num(_get(ev, ("comparison", "greedy_agreement"))),
+                     _num(_get(ev, ("comparison", "chat_mean_kld"))), _num(_get(ev, ("comparison", "chat_top1_agreement"))),
                      _verdict(d)])
     md = ["# Sweep comparison", "", _md_table(head, rows), "", f"![comparison]({PLOTS}/comparison.png)", ""]
     (out / "comparison.md").write_text("\n".join(md), encoding="utf-8")

@@ -18,7 +18,9 @@ class EvalSettings:
     seq_len: int = 512
     stride: int = 512
     max_windows: int = 16
-    prompts: str = "default"  # greedy-agreement prompts: default | a .txt (one a line) | a .jsonl ('prompt')
+    # chat prompts, rendered through the chat template: greedy agreement, and KLD / top-1 over the baseline's
+    # answers. default (eval/tasks/chat_prompts.jsonl, 48) | a .txt (one a line) | a .jsonl ('prompt')
+    prompts: str = "default"
     max_prompts: int = 16
     greedy_tokens: int = 32
     tasks: list[str] = field(default_factory=list)  # lm-eval tasks, e.g. [infer_lastword, infer_mc]

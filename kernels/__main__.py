@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_has_amx():
         print("amx_linear, amx_attention: not built (this CPU has no AMX)")
     print(f"cache: {cache_root()}")
-    return 1 if failed and argv == ["build"] else 0
+    if failed:  # not fatal: the runtime falls back to torch ops and says so; the test suite fails on it
+        print(f"not built: {', '.join(failed)} (see the warnings above)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
 What a request whose system prompt is cached runs at every layer: its ~30 new tokens against the
 ~430 of its context, read in place from the paged cache. ``load()`` gives the module only where it
 can run (a CPU with AMX, tile permission, a compiler); elsewhere the engine keeps gather + SDPA.
+``chunk_attention`` checks every chunk's rows, context length and block ids (and the tensors' shapes
+and dtypes) before any tile instruction runs, raising RuntimeError naming the bad entry.
 """
 
 from __future__ import annotations

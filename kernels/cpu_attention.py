@@ -22,13 +22,18 @@ def load() -> object | None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [seqs, heads, d]; caches [blocks, block_size, kv_heads, d]; returns [seqs, heads, d]."""
+    """q [seqs, heads, d]; caches [blocks, block_size, kv_heads, d]; returns [seqs, heads, d].
+
+    The kernel checks every index before reading through it (each context length in 1 .. table
+    width x block size, each block id it reaches inside the cache) and raises RuntimeError naming
+    the bad entry, so a wrong table is an error, never an out-of-bounds read."""
     return _module().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
-    """Writes k, v [T, kv_heads, d] into the caches' rows ``slots`` (block * block_size + offset)."""
+    """Writes k, v [T, kv_heads, d] into the caches' rows ``slots`` (block * block_size + offset);
+    every slot is checked against the cache's size before anything is written (RuntimeError)."""
     _module().store_kv_(k_cache, v_cache, slots, k, v)
 
 

@@ -8,7 +8,10 @@ the load log, ``/version`` and the benchmarks.
 
 - ``auto``: the compiled C++ kernels where they build (a warning and plain torch ops where not);
 - ``cpp``: the same, but a kernel that cannot be built is an error;
-- ``torch``: plain torch ops everywhere (the reference the kernels are checked against).
+- ``torch``: plain torch ops everywhere (the reference the kernels are checked against);
+- ``triton``: the GPU path's kernels (kernels/triton_ops: paged decode attention, KV store, fused
+  RMSNorm / rotary / SiLU-and-multiply) for a model on a CUDA device; on CPU tensors they run only
+  under ``TRITON_INTERPRET=1``, which is how the tests check the wiring without a GPU.
 
 ``amx``: None uses Intel AMX tiles where the CPU has them; False never does (the path every
 non-AMX host takes, forced on an AMX host to test it); True requires them. ``INFER_AMX=0`` sets
@@ -25,13 +28,13 @@ from typing import Callable
 import torch
 
 log = logging.getLogger("infer.kernels")
-BACKENDS = ("auto", "cpp", "torch")
+BACKENDS = ("auto", "cpp", "torch", "triton")
 _LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
 class KernelSet:
-    backend: str  # cpp | torch: what was asked for, after auto was resolved
+    backend: str  # cpp | torch | triton: what was asked for, after auto was resolved
     amx: bool  # AMX tiles in use (linears, chunk attention)
     layer_ops: object | None  # kernels.layer_ops' module, or None: torch ops
     decode_attention: Callable | None  # kernels.cpu_attention.paged_decode_attention, or None: gather + SDPA
@@ -48,10 +51,11 @@ class KernelSet:
 
     def describe(self, dtype: torch.dtype | None = None) -> dict:
         """Which kernel runs each piece: logged once at load, shown by /version and the benchmarks."""
+        fast = "triton" if self.backend == "triton" else "cpp"
         d = {"backend": self.backend, "amx": self.amx, "cpu_has_amx": cpu_has_amx(),
-             "layer_ops": "cpp" if self.layer_ops is not None else "torch",
-             "decode_attention": "cpp" if self.decode_attention is not None else "torch-sdpa",
-             "kv_store": "cpp" if self.store_kv is not None else "torch",
+             "layer_ops": fast if self.layer_ops is not None else "torch",
+             "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
+             "kv_store": fast if self.store_kv is not None else "torch",
              "chunk_attention": "amx" if self.chunk_attention is not None else "torch-sdpa"}
         if dtype is not None:
             d["linear"] = self.linear_kernel(dtype)
@@ -77,6 +81,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         raise ValueError(f"kernels={backend!r}: choose one of {', '.join(BACKENDS)}")
     if backend == "torch":
         return KernelSet("torch", False, None, None, None, None, None, False)
+    if backend == "triton":
+        return _triton(dtype)
     from . import amx_attention, amx_linear, cpu_attention, layer_ops
 
     use_amx = _amx_wanted(amx)
@@ -102,3 +108,24 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
                      attention.paged_decode_attention if attention is not None else None,
                      attention.store_kv_ if attention is not None else None, chunk, linear_amx,
                      dtype == torch.bfloat16 and can_pack(torch.bfloat16))
+
+
+class _TritonLayerOps:
+    """kernels/triton_ops under the C++ layer_ops module's names, so the model calls either alike."""
+
+    def __init__(self, ops):
+        self.rms_norm, self.rotary_ = ops.rms_norm, ops.rotary_
+        self.add_rms_norm_, self.silu_mul = ops.fused_add_rms_norm_, ops.silu_and_mul
+
+
+def _triton(dtype: torch.dtype) -> KernelSet:
+    """The Triton kernels: on a CUDA device, or under the interpreter (TRITON_INTERPRET=1) on the CPU."""
+    try:
+        from . import triton_ops
+    except ImportError as e:
+        raise RuntimeError(f"kernels=triton needs the triton package ({e}); pip install triton==3.9.0") from None
+    if not torch.cuda.is_available() and not triton_ops.interpreting():
+        raise RuntimeError("kernels=triton needs a CUDA device (none here); set TRITON_INTERPRET=1 to run the "
+                           "Triton kernels on the CPU through triton's interpreter (slow: for checking only)")
+    ops = _TritonLayerOps(triton_ops) if dtype in _LAYER_OPS_DTYPES else None
+    return KernelSet("triton", False, ops, triton_ops.paged_decode_attention, triton_ops.store_kv_, None, None, False)

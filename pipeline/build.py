@@ -4,25 +4,23 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from infer.runtime.artifact import FORMAT_VERSION
 
-from . import gate
+from . import gate, tune
 from .config import BuildConfig, QuantMethod, to_plain
+from .merge import PER_RANK_KINDS, MergeError, merge
 from .package import build_environment, package, publish
+from .shard import ShardError, check_tp, shard
 from .sources import load_checkpoint, resolve_source
-from .stage import StageResult, run_stage
+from .stage import BuildError, StageResult, run_stage
 
 log = logging.getLogger("infer.build")
 
 # Bump a stage's version when its code changes what it writes: old cache entries then stop matching.
-STAGE_VERSIONS = {"load": 1, "quantize": 1, "package": 1}
-
-
-class BuildError(Exception):
-    """A build that cannot go on; the message says why and what to do."""
+STAGE_VERSIONS = {"load": 1, "quantize": 1, "package": 1, "merge": 1, "shard": 1}
 
 
 @dataclass
@@ -38,6 +36,7 @@ def recipe_record(cfg: BuildConfig) -> dict:
     plain.pop("output_dir")
     plain.pop("cache_dir")
     plain["eval"].pop("junit", None)  # where a CI job wants its JUnit file, not what the artifact is
+    plain["tune"].pop("table", None)  # where a reused table lies; its hash is in the tune stage's record
     return plain
 
 
@@ -49,6 +48,25 @@ def check_supported(cfg: BuildConfig) -> None:
         except ImportError as e:
             raise BuildError(f"quant.method={cfg.quant.method.value}: llm-compressor is not installed ({e}); "
                              f"pip install llmcompressor==0.14.0.1, or use quant=none") from None
+
+
+def check_shardable(cfg: BuildConfig, loaded: StageResult) -> None:
+    """parallel.tp's constraints (whole heads, whole quantization groups), before any quantization."""
+    q = cfg.quant
+    group = q.group_size if q.method != QuantMethod.none and q.group_size != -1 else None
+    try:
+        check_tp(json.loads((loaded.path / "config.json").read_text()), cfg.parallel.tp, group)
+    except ShardError as e:
+        raise BuildError(str(e)) from None
+
+
+def shard_stage(cache: Path, checkpoint: StageResult, tp: int) -> StageResult:
+    """The checkpoint (quantized or not) split into tp rank files: pipeline/shard.py's layout."""
+    try:
+        return run_stage(cache, "shard", {"v": STAGE_VERSIONS["shard"], "checkpoint": checkpoint.key, "tp": tp},
+                         lambda out: shard(checkpoint.path, out, tp))
+    except ShardError as e:
+        raise BuildError(str(e)) from None
 
 
 def quantize_stage(cfg: BuildConfig, cache: Path, loaded: StageResult, env: dict) -> tuple[StageResult, dict]:
@@ -72,19 +90,34 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     """Runs the stages and publishes to cfg.output_dir; with publish_artifact=False, returns the
     packaged stage directory instead (used for the gates' unquantized baseline), with no gates."""
     check_supported(cfg)
+    if publish_artifact and gate.chooses(cfg):  # candidates chosen by the gates: each one an ordinary build
+        return gate.choose_and_build(cfg, build)
     cache = Path(cfg.cache_dir).expanduser()
-    source = resolve_source(cfg.model.source, cfg.model.revision, cache)
+    source = resolve_source(cfg.model.source, cfg.model.revision, cache, cfg.model.trust_pickled_checkpoints)
     log.info("source %s (%s, sha256 %s)", source.uri, source.kind, source.sha256[:12])
     dtype = cfg.model.dtype.value
-    loaded = run_stage(cache, "load", {"v": STAGE_VERSIONS["load"], "source": source.identity(), "dtype": dtype},
-                       lambda out: load_checkpoint(source, out, dtype))
-    stages = [loaded]
+    stages, readable, load_inputs = [], source, {"v": STAGE_VERSIONS["load"], "source": source.identity(), "dtype": dtype}
+    if source.kind in PER_RANK_KINDS:  # rank files (ours, TensorRT-LLM's) become one HF checkpoint first
+        try:
+            merged = run_stage(cache, "merge", {"v": STAGE_VERSIONS["merge"], "source": source.identity()},
+                               lambda out: merge(source.path, out))
+        except MergeError as e:
+            raise BuildError(str(e)) from None
+        stages.append(merged)
+        readable, load_inputs = replace(source, kind="hf", path=merged.path), {**load_inputs, "merged": merged.key}
+    loaded = run_stage(cache, "load", load_inputs, lambda out: load_checkpoint(readable, out, dtype))
+    stages.append(loaded)
     checkpoint = loaded
+    if cfg.parallel.tp > 1:
+        check_shardable(cfg, loaded)
     recipe = recipe_record(cfg)
     env = build_environment()
     quant_record = None
     if cfg.quant.method != QuantMethod.none:
         checkpoint, quant_record = quantize_stage(cfg, cache, loaded, env)
+        stages.append(checkpoint)
+    if cfg.parallel.tp > 1:  # after quantize: quantized layers split on their group boundaries
+        checkpoint = shard_stage(cache, checkpoint, cfg.parallel.tp)
         stages.append(checkpoint)
     manifest = {
         "name": cfg.artifact.name,
@@ -102,6 +135,12 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     stages.append(packaged)
     if not publish_artifact:
         return BuildResult(packaged.path, stages)
+    try:
+        if tune.wanted(cfg):  # kernel choices per batch bucket, measured here (or tune.table's)
+            packaged = tune.tune_stage(cfg, cache, packaged)
+            stages.append(packaged)
+    except tune.TuneError as e:
+        raise BuildError(str(e)) from None
     final, evaluation = packaged, None
     if gate.wanted(cfg):  # gates before publish: a failure raises gate.GateFailed and nothing is published
         final, evaluation, extra = gate.run(cfg, cache, stages, packaged, recipe,

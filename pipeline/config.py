@@ -7,7 +7,7 @@ unknown key or a bad value fails before any stage runs, with the key and the val
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Any, get_type_hints
 
@@ -41,6 +41,9 @@ class ModelSpec:
     source: str = "embedded:smollm2-135m-instruct"
     revision: str | None = None  # hub revision (branch, tag or commit)
     dtype: DType = DType.float32
+    # Megatron torch-distributed checkpoints keep metadata in pickles, and unpickling runs code:
+    # refused unless this is set (on the command line, for a checkpoint you trust)
+    trust_pickled_checkpoints: bool = False
 
 
 @dataclass
@@ -51,8 +54,17 @@ class QuantSpec:
     symmetric: bool = True
     act_order: bool = False
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
-    smoothing_strength: float = 0.8  # SmoothQuant's alpha (w8a8 only)
+    # SmoothQuant's alpha (w8a8 only), 0: no SmoothQuant; a list of candidates is built and gated in
+    # order, the first passing kept (pipeline/gate.py, choose_and_build)
+    smoothing_strength: Any = 0.8
     dampening_frac: float = 0.01  # GPTQ Hessian dampening
+    # layers quantized at wide_bits (int8 per channel, weight-only) instead of bits: a second config group
+    wide_layers: list[str] = field(default_factory=list)
+    wide_bits: int = 8
+    # accuracy-gated mixed precision (gptq/awq): widen the layers whose quantization hurts most, until
+    # the eval gates pass or the artifact is size_budget_pct larger than with every layer at bits
+    auto: bool = False
+    size_budget_pct: float = 10.0
 
 
 @dataclass
@@ -61,12 +73,18 @@ class CalibSpec:
     samples: int = 128
     seq_len: int = 512
     seed: int = 0
+    # share of the windows rendered through the model's chat template (user/assistant turns, special
+    # tokens); the rest raw text. What a chat model is asked is what its quantization should see.
+    chat_fraction: float = 0.5
 
 
 @dataclass
 class TuneSpec:
+    # the tune stage (pipeline/tune.py, runtime/tuning.py): times the runtime's kernel alternatives per
+    # batch-size bucket on the build machine and writes tuning.json into the artifact
+    enabled: bool = True
     batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
-    enabled: bool = False
+    table: str | None = None  # reuse this tuning.json instead of measuring (a byte-identical CI build)
 
 
 @dataclass
@@ -75,6 +93,8 @@ class GateSpec:
     top1_agreement_min: float | None = None
     mean_kld_max: float | None = None
     greedy_agreement_min: float | None = None
+    chat_top1_agreement_min: float | None = None  # on the baseline's answers to chat prompts
+    chat_mean_kld_max: float | None = None
 
 
 @dataclass
@@ -88,6 +108,11 @@ class EvalSpec(EvalSettings):
     baseline_dtype: DType | None = None  # the unquantized baseline's dtype; None: model.dtype
     junit: str | None = None  # write JUnit XML (one test case per gate) here; not part of the artifact
     gates: GateSpec = field(default_factory=GateSpec)
+
+
+@dataclass
+class ParallelSpec:
+    tp: int = 1  # tensor-parallel ranks; > 1 adds the shard stage after quantize (pipeline/shard.py)
 
 
 @dataclass
@@ -106,6 +131,7 @@ class BuildConfig:
     calib: CalibSpec = field(default_factory=CalibSpec)
     tune: TuneSpec = field(default_factory=TuneSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
     artifact: ArtifactSpec = field(default_factory=ArtifactSpec)
 
 
@@ -152,6 +178,8 @@ def _check(c: BuildConfig) -> None:
         bad("model.source", c.model.source, "name a checkpoint: embedded:smollm2-135m-instruct, a directory, a .gguf file or a hub id")
     if not _NAME.match(c.artifact.name):
         bad("artifact.name", c.artifact.name, "letters, digits, '.', '_' and '-' only")
+    if c.parallel.tp < 1:
+        bad("parallel.tp", c.parallel.tp, "the number of tensor-parallel ranks: 1 (no sharding) or more")
     if not _VERSION.match(c.artifact.version):
         bad("artifact.version", c.artifact.version, "a semantic version such as 1.2.0")
     q = c.quant
@@ -161,14 +189,23 @@ def _check(c: BuildConfig) -> None:
             bad("quant.bits", q.bits, f"{q.method.value} takes bits in {list(allowed_bits)}")
         if q.group_size != -1 and (q.group_size < 8 or q.group_size & (q.group_size - 1)):
             bad("quant.group_size", q.group_size, "a power of two >= 8, or -1 for per-channel")
-        if not 0.0 < q.smoothing_strength < 1.0:
-            bad("quant.smoothing_strength", q.smoothing_strength, "must be in (0, 1)")
+        strengths = q.smoothing_strength if isinstance(q.smoothing_strength, list) else [q.smoothing_strength]
+        if not strengths or not all(isinstance(a, (int, float)) and not isinstance(a, bool) and 0.0 <= a < 1.0
+                                    for a in strengths):
+            bad("quant.smoothing_strength", q.smoothing_strength,
+                "a number in [0, 1) (0: no SmoothQuant) or a list of such candidates, e.g. [0, 0.5, 0.8]")
+        if q.wide_bits != 8:
+            bad("quant.wide_bits", q.wide_bits, "valid choices: 8")
+        if not 0.0 < q.size_budget_pct <= 100.0:
+            bad("quant.size_budget_pct", q.size_budget_pct, "a percentage in (0, 100]")
         if not 0.0 <= q.dampening_frac < 1.0:
             bad("quant.dampening_frac", q.dampening_frac, "must be in [0, 1)")
         if c.calib.samples < 1:
             bad("calib.samples", c.calib.samples, "must be >= 1")
         if c.calib.seq_len < 16:
             bad("calib.seq_len", c.calib.seq_len, "must be >= 16")
+        if not 0.0 <= c.calib.chat_fraction <= 1.0:
+            bad("calib.chat_fraction", c.calib.chat_fraction, "a share in [0, 1]: 0 raw text only, 1 chat only")
     if any(b < 1 for b in c.tune.batch_buckets):
         bad("tune.batch_buckets", c.tune.batch_buckets, "batch sizes must be >= 1")
     if c.eval.seq_len < 2 or c.eval.stride < 1 or c.eval.stride > c.eval.seq_len:
@@ -182,6 +219,10 @@ def _check(c: BuildConfig) -> None:
         bad("eval.gates.top1_agreement_min", g.top1_agreement_min, "a share in [0, 1]")
     if g.greedy_agreement_min is not None and not 0.0 <= g.greedy_agreement_min <= 1.0:
         bad("eval.gates.greedy_agreement_min", g.greedy_agreement_min, "a share in [0, 1]")
+    if g.chat_top1_agreement_min is not None and not 0.0 <= g.chat_top1_agreement_min <= 1.0:
+        bad("eval.gates.chat_top1_agreement_min", g.chat_top1_agreement_min, "a share in [0, 1]")
+    if g.chat_mean_kld_max is not None and g.chat_mean_kld_max < 0:
+        bad("eval.gates.chat_mean_kld_max", g.chat_mean_kld_max, "must be >= 0")
     if g.mean_kld_max is not None and g.mean_kld_max < 0:
         bad("eval.gates.mean_kld_max", g.mean_kld_max, "must be >= 0")
 
@@ -198,3 +239,14 @@ def compose_recipe(overrides: list[str] | tuple[str, ...] = ()) -> BuildConfig:
     with initialize_config_module(config_module="infer.recipes", version_base=None):
         raw = compose(config_name="build", overrides=list(overrides))
     return validate(raw)
+
+
+def baseline_dtype(cfg: BuildConfig):
+    return cfg.eval.baseline_dtype or cfg.model.dtype
+
+
+def baseline_config(cfg: BuildConfig) -> BuildConfig:
+    """The same recipe, unquantized, at the baseline dtype; never itself gated."""
+    return replace(cfg, quant=QuantSpec(method=QuantMethod.none, bits=16, group_size=-1),
+                   model=replace(cfg.model, dtype=baseline_dtype(cfg)), eval=EvalSpec(),
+                   artifact=replace(cfg.artifact, name=f"{cfg.artifact.name}-baseline"))

@@ -12,21 +12,26 @@ After ``package`` and before ``publish``, when the recipe's ``eval`` section ask
    to ``<output_dir>.gate-failed/`` (no model files, no manifest: never mistakable for an artifact);
 5. otherwise ``gate`` seals a new artifact directory: the package's files (hard links), plus
    ``eval.json``, ``report.md``, ``report.html`` and ``plots/``, all listed in a new manifest.
+
+A recipe may leave a choice to the gates (``choose_and_build``): ``quant.smoothing_strength`` as a
+list of candidates (w8a8), or ``quant.auto=true`` (accuracy-gated mixed precision, gptq/awq). Each
+candidate is an ordinary build of its own settings (its stages cached like any other); they are
+built and gated in turn and the first that passes every gate is published, with every candidate
+tried, its metrics and its size in ``eval.json``, the report and the manifest (``selection``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from dataclasses import asdict, replace
 from pathlib import Path
 
 from infer.runtime.artifact import MANIFEST, dump_json, verify_artifact, write_manifest
 
-from .config import BuildConfig, EvalSpec, QuantMethod, QuantSpec, to_plain
-from .stage import DONE, StageResult, content_key, run_stage
+from .config import BuildConfig, QuantMethod, baseline_config, baseline_dtype, to_plain
+from .stage import DONE, StageResult, content_key, link_tree, run_stage
 
 log = logging.getLogger("infer.build")
 GATE_VERSION = 1
@@ -51,19 +56,8 @@ def wanted(cfg: BuildConfig) -> bool:
     return e.enabled or bool(e.tasks) or any(v is not None for v in asdict(e.gates).values())
 
 
-def baseline_dtype(cfg: BuildConfig):
-    return cfg.eval.baseline_dtype or cfg.model.dtype
-
-
 def is_own_baseline(cfg: BuildConfig) -> bool:
     return cfg.quant.method == QuantMethod.none and baseline_dtype(cfg) == cfg.model.dtype
-
-
-def baseline_config(cfg: BuildConfig) -> BuildConfig:
-    """The same recipe, unquantized, at the baseline dtype; never itself gated."""
-    return replace(cfg, quant=QuantSpec(method=QuantMethod.none, bits=16, group_size=-1),
-                   model=replace(cfg.model, dtype=baseline_dtype(cfg)), eval=EvalSpec(),
-                   artifact=replace(cfg.artifact, name=f"{cfg.artifact.name}-baseline"))
 
 
 def _stage_row(s: StageResult, role: str) -> dict:
@@ -79,22 +73,6 @@ def _layer_errors(stages: list[StageResult]):
     return None
 
 
-def _link_tree(src: Path, dst: Path, with_manifest: bool = False) -> Path:
-    """A stage's files into dst: hard links (cache entries are immutable), copies where links fail."""
-    skip = (DONE,) if with_manifest else (MANIFEST, DONE)
-    for p in sorted(src.rglob("*")):
-        rel = p.relative_to(src)
-        if p.is_dir() or rel.as_posix() in skip:
-            continue
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(p, target)
-        except OSError:
-            shutil.copyfile(p, target)
-    return dst
-
-
 def write_eval_files(out: Path, doc: dict) -> None:
     from infer.eval.report import write_report
 
@@ -102,8 +80,106 @@ def write_eval_files(out: Path, doc: dict) -> None:
     dump_json(doc, out / "eval.json")
 
 
+# ---------------------------------------------------------------------------- choosing between candidates
+
+_SELECTION: dict | None = None  # set by choose_and_build while a candidate builds: its doc records it
+CANDIDATE_METRICS = ("ppl_increase_pct", "mean_kld", "top1_agreement", "greedy_agreement", "chat_mean_kld",
+                     "chat_top1_agreement")
+
+
+def chooses(cfg: BuildConfig) -> bool:
+    """Whether the recipe leaves a choice to the gates (several smoothing strengths, or quant.auto)."""
+    from .quantize import smoothing_candidates
+
+    q = cfg.quant
+    return q.method != QuantMethod.none and (len(smoothing_candidates(cfg)) > 1 or q.auto)
+
+
+def candidate_row(label: str, settings: dict, doc: dict, size_bytes: int | None = None) -> dict:
+    comp = (doc.get("evaluation") or {}).get("comparison") or {}
+    return {"candidate": label, "settings": settings, "passed": doc.get("passed"),
+            "perplexity": ((doc.get("evaluation") or {}).get("perplexity") or {}).get("ppl"),
+            **{k: comp.get(k) for k in CANDIDATE_METRICS},
+            "gates": {g["name"]: g["passed"] for g in doc.get("gates", []) if g["passed"] is not None},
+            "size_bytes": size_bytes}
+
+
+def _package_size(path: Path) -> int:
+    manifest = json.loads((Path(path) / MANIFEST).read_text())
+    return sum(f["size"] for k, f in manifest.get("files", {}).items() if k.endswith(".safetensors"))
+
+
+def _smoothing_steps(cfg: BuildConfig):
+    from .quantize import smoothing_candidates
+
+    for a in smoothing_candidates(cfg):
+        label = "no SmoothQuant" if a == 0 else f"SmoothQuant {a:g}"
+        yield label, {"quant.smoothing_strength": a}, replace(cfg, quant=replace(cfg.quant, smoothing_strength=a))
+
+
+def choose_and_build(cfg: BuildConfig, build):
+    """Builds and gates each candidate in turn; publishes the first that passes every gate.
+
+    ``build``: pipeline.build.build. Raises GateFailed (exit 3) naming every candidate when none passes."""
+    from .stage import BuildError
+
+    global _SELECTION
+    if cfg.quant.auto and cfg.quant.method not in (QuantMethod.gptq, QuantMethod.awq):
+        raise BuildError(f"quant.auto=true: accuracy-gated mixed precision widens 4-bit layers; method "
+                         f"{cfg.quant.method.value} has none; valid with: gptq, awq")
+    if not wanted(cfg) or all(v is None for v in asdict(cfg.eval.gates).values()):
+        key = "quant.auto=true" if cfg.quant.auto else f"quant.smoothing_strength={cfg.quant.smoothing_strength}"
+        raise BuildError(f"{key}: the candidates are chosen by the eval gates, and none is set; add eval=release "
+                         f"or eval.gates.* thresholds")
+    if cfg.quant.auto:
+        from .quantize import auto_steps
+
+        key, rule = "quant.wide_layers", ("plain first, then the most sensitive layers widened to "
+                                          f"{cfg.quant.wide_bits} bits until the gates pass or the size budget "
+                                          f"(+{cfg.quant.size_budget_pct:g}%) is spent")
+        record = {"key": key, "rule": rule, "candidates": []}
+        steps = auto_steps(cfg, record, lambda c: build(c, publish_artifact=False))
+    else:
+        record = {"key": "quant.smoothing_strength", "rule": "the first candidate, in the recipe's order, whose "
+                                                            "gates all pass", "candidates": []}
+        steps = _smoothing_steps(cfg)
+    last = None
+    for label, settings, c in steps:
+        log.info("candidate %s (%s)", label, ", ".join(f"{k}={v}" for k, v in settings.items()))
+        _SELECTION = {**record, "trying": {"candidate": label, "settings": settings}}
+        try:
+            return build(c)
+        except GateFailed as e:
+            size = _package_size(build(c, publish_artifact=False).artifact)
+            record["candidates"].append(candidate_row(label, settings, e.doc, size))
+            last = e
+            log.warning("candidate %s failed its gates: %s", label, e)
+        finally:
+            _SELECTION = None
+    if last is None:
+        raise BuildError(f"{record['key']}: no candidate to build")
+    names = "; ".join(f"{r['candidate']}: " + ", ".join(g for g, ok in r["gates"].items() if not ok)
+                      for r in record["candidates"])
+    doc = {**last.doc, "selection": {**record, "chosen": None}}
+    if last.report_dir is not None:
+        write_eval_files(last.report_dir, doc)
+    raise GateFailed(f"no candidate of {record['key']} passed its gates ({names}); the last: {last}", doc,
+                     last.report_dir, last.junit)
+
+
+def _selection_doc(doc: dict, packaged: Path) -> dict | None:
+    """This build's selection record, when choose_and_build is building it as a candidate."""
+    if _SELECTION is None:
+        return None
+    trying = _SELECTION["trying"]
+    row = candidate_row(trying["candidate"], trying["settings"], doc, _package_size(packaged))
+    extra = {k: v for k, v in _SELECTION.items() if k not in ("candidates", "trying")}
+    return {**extra, "chosen": trying["candidate"] if doc["passed"] else None,
+            "candidates": [*_SELECTION["candidates"], row]}
+
+
 def _seal(packaged: Path, out: Path, doc: dict, stage_keys: dict) -> dict:
-    _link_tree(packaged, out)
+    link_tree(packaged, out)
     write_eval_files(out, doc)
     manifest = json.loads((packaged / MANIFEST).read_text())
     for k in ("files", "format", "format_version"):
@@ -115,6 +191,15 @@ def _seal(packaged: Path, out: Path, doc: dict, stage_keys: dict) -> dict:
         "gates": {g["name"]: {"value": g["value"], "threshold": g["threshold"], "passed": g["passed"]}
                   for g in doc["gates"] if g["passed"] is not None},
     }
+    if doc.get("selection"):
+        sel = doc["selection"]
+        manifest["evaluation"]["selection"] = {
+            "key": sel["key"], "rule": sel["rule"], "chosen": sel["chosen"],
+            "candidates": [{k: r[k] for k in ("candidate", "settings", "passed", "size_bytes", *CANDIDATE_METRICS)}
+                           for r in sel["candidates"]]}
+        for k in ("sensitivity", "widening_cost_bytes", "plain_size_bytes", "budget_bytes"):
+            if k in sel:
+                manifest["evaluation"]["selection"][k] = sel[k]
     sealed = write_manifest(out, manifest)
     return {"files": len(sealed["files"]), "passed": doc["passed"]}
 
@@ -164,10 +249,10 @@ def _run(cfg, cache, stages, packaged, recipe, build_unpublished):
 
     def measure(out: Path) -> dict:
         # stage directories carry a _stage.json record: evaluate link views that are exact artifacts
-        view = _link_tree(packaged.path, out / ".artifact", with_manifest=True)
+        view = link_tree(packaged.path, out / ".artifact", with_manifest=True)
         base_view = None
         if baseline is not None:
-            base_view = view if base_id == "self" else _link_tree(baseline, out / ".baseline", with_manifest=True) \
+            base_view = view if base_id == "self" else link_tree(baseline, out / ".baseline", with_manifest=True) \
                 if (baseline / DONE).exists() else baseline
         try:
             result = evaluate(view, base_view, settings, log=log.info)
@@ -195,6 +280,9 @@ def _run(cfg, cache, stages, packaged, recipe, build_unpublished):
         "quantization": {"settings": plain["quant"], "artifact": manifest.get("quantization"),
                          "layer_errors": _layer_errors(stages)},
     }
+    selection = _selection_doc(doc, packaged.path)
+    if selection is not None:
+        doc["selection"] = selection
     for g in gates:
         if g.passed is not None:
             (log.info if g.passed else log.error)("%s", g.message)
@@ -210,7 +298,8 @@ def _run(cfg, cache, stages, packaged, recipe, build_unpublished):
                          f"the evaluation report is {failed_dir / 'report.md'}", doc, failed_dir, junit)
     if failed_dir.is_dir() and (failed_dir / "eval.json").is_file() and not (failed_dir / MANIFEST).exists():
         shutil.rmtree(failed_dir)  # a stale report of an earlier, failed build of this output
-    gate_inputs = {"v": GATE_VERSION, "package": packaged.key, "eval": evaluated.key, "gates": thresholds}
+    gate_inputs = {"v": GATE_VERSION, "package": packaged.key, "eval": evaluated.key, "gates": thresholds,
+                   **({"selection": doc["selection"]} if doc.get("selection") else {})}
     keys = {"eval": evaluated.key, "gate": content_key("gate", gate_inputs)}
     sealed = run_stage(cache, "gate", gate_inputs, lambda out: _seal(packaged.path, out, doc, keys))
     extra.append(sealed)

@@ -6,15 +6,17 @@ import json
 import os
 import platform
 import shutil
+import socket
 from importlib import metadata
 from pathlib import Path
 
-from infer.runtime.artifact import MANIFEST, verify_artifact, write_manifest
+from infer.runtime.artifact import FORMAT, MANIFEST, sha256_file, verify_artifact, write_manifest
 
-from .stage import DONE
+from .stage import DONE, pause_point
 
 ARTIFACT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                  "chat_template.jinja", "model.safetensors.index.json")
+                  "chat_template.jinja", "model.safetensors.index.json",
+                  "tensor_parallel.json")  # tensor-parallel artifacts: the rank files' layout (pipeline/shard.py)
 _TRACKED_PACKAGES = ("infer", "torch", "safetensors", "tokenizers", "gguf", "transformers", "llmcompressor",
                      "compressed-tensors")
 
@@ -44,28 +46,109 @@ def package(checkpoint: Path, out: Path, manifest: dict) -> dict:
         "max_model_len": config.get("max_position_embeddings"),
         "vocab_size": config.get("vocab_size"),
     }
+    parallel = {"parallel": _parallel_summary(out)} if (out / "tensor_parallel.json").is_file() else {}
     sealed = write_manifest(out, {**manifest, "model": model,
-                                  "quantization": config.get("quantization_config")})
+                                  "quantization": config.get("quantization_config"), **parallel})
     return {"files": len(sealed["files"]), "bytes": sum(f["size"] for f in sealed["files"].values())}
 
 
+def _parallel_summary(out: Path) -> dict:
+    """{tp, ranks: {rank: {file: sha256}}}: which file each tensor-parallel worker loads."""
+    layout = json.loads((out / "tensor_parallel.json").read_text())
+    missing = [f for f in layout["ranks"] if not (out / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{out}: tensor_parallel.json lists rank files that are missing: {missing}")
+    return {"tp": layout["tp_size"], "ranks": {str(r): {f: sha256_file(out / f)} for r, f in enumerate(layout["ranks"])}}
+
+
 def publish(stage_dir: Path, output_dir: Path) -> Path:
-    """Copies a finished artifact to ``output_dir`` atomically: readers see the old one or the new one."""
+    """Copies a finished artifact to ``output_dir`` atomically: readers see the old one or the new one.
+
+    Only an earlier infer artifact (or an empty directory) is ever replaced, checked before the copy
+    and again just before the swap; anything else is refused and left as it was. Leftovers of a
+    publish that was killed (``.<name>.tmp-<host>-<pid>``, ``.<name>.old-...``) are cleaned up first."""
     output_dir = output_dir.expanduser().absolute()
     output_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{os.getpid()}")
+    _remove_dead_leftovers(output_dir)
+    _refuse_unless_replaceable(output_dir)
+    tag = f"{_host()}-{os.getpid()}"
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{tag}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(stage_dir, tmp, ignore=shutil.ignore_patterns(DONE), copy_function=shutil.copyfile)
     verify_artifact(tmp)  # what lands is checked, not assumed
+    pause_point("publish:copied")
+    try:
+        _refuse_unless_replaceable(output_dir)  # again: it may have appeared or changed during the copy
+    except FileExistsError:
+        shutil.rmtree(tmp)
+        raise
     if output_dir.exists():
-        if not (output_dir / MANIFEST).exists() and any(output_dir.iterdir()):
-            shutil.rmtree(tmp)
-            raise FileExistsError(f"{output_dir}: exists and is not an artifact; choose another output_dir "
-                                  f"or remove it (infer-build only replaces earlier artifacts)")
-        old = output_dir.with_name(f".{output_dir.name}.old-{os.getpid()}")
+        old = output_dir.with_name(f".{output_dir.name}.old-{tag}")
         os.replace(output_dir, old)
+        pause_point("publish:swapped")
         os.replace(tmp, output_dir)
         shutil.rmtree(old)
     else:
         os.replace(tmp, output_dir)
     return output_dir
+
+
+def _refuse_unless_replaceable(output_dir: Path) -> None:
+    """Raises FileExistsError unless ``output_dir`` is absent, an empty directory, or an artifact
+    infer wrote (a manifest.json naming format infer-artifact) holding only the files it lists."""
+    fix = "choose another output_dir, or move it away (infer-build only replaces artifacts it wrote)"
+    if not os.path.lexists(output_dir):
+        return
+    if output_dir.is_symlink() or not output_dir.is_dir():
+        raise FileExistsError(f"{output_dir}: exists and is not a directory (a file or a symlink); {fix}")
+    if not any(output_dir.iterdir()):
+        return
+    manifest_path = output_dir / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FileExistsError(f"{output_dir}: exists and is not an infer artifact (no readable {MANIFEST}: "
+                              f"{type(e).__name__}); {fix}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT or not isinstance(manifest.get("files"), dict):
+        raise FileExistsError(f"{output_dir}: exists and its {MANIFEST} is not an infer artifact's "
+                              f"(format {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                              f"not {FORMAT!r}); {fix}")
+    own = {MANIFEST, *manifest["files"]}
+    for parent, dirs, names in os.walk(output_dir):
+        for name in names + [d for d in dirs if Path(parent, d).is_symlink()]:
+            rel = Path(parent, name).relative_to(output_dir).as_posix()
+            if rel not in own:
+                raise FileExistsError(f"{output_dir}: an infer artifact, but it also holds {rel}, which its "
+                                      f"manifest does not list and replacing it would delete; move that file "
+                                      f"out, or {fix}")
+
+
+def _host() -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in socket.gethostname()) or "host"
+
+
+def _remove_dead_leftovers(output_dir: Path) -> None:
+    """Cleans up after a publish of this machine that was killed (its process is gone): its copy
+    is removed, and an earlier artifact it had moved aside but not yet replaced is moved back
+    (the swap rolled back), so nothing published is ever lost. Live builds' files are left alone."""
+    dead = []
+    for path in sorted(output_dir.parent.iterdir()):
+        kind, _, pid = path.name.removeprefix(f".{output_dir.name}.").partition(f"-{_host()}-")
+        if (path.name.startswith(f".{output_dir.name}.") and kind in ("tmp", "old") and pid.isdigit()
+                and (int(pid) == os.getpid() or not _alive(int(pid)))):
+            dead.append((kind, path))
+    for kind, path in dead:
+        if kind == "old" and not os.path.lexists(output_dir):
+            os.replace(path, output_dir)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

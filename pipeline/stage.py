@@ -4,6 +4,12 @@ A stage writes its output into a fresh temporary directory; only when it returns
 directory renamed to ``<cache>/<stage>/<key>``, so a build killed half way leaves no stage
 looking finished and resumes from the last one that was. A second identical build finds every
 key and does no work.
+
+Test hook: ``INFER_TEST_PAUSE_AT=<stage>:<point>`` (points: ``started``, the temporary directory made
+and empty; ``written``, the output and its record written, not yet renamed into place; and
+publish's ``publish:copied`` and ``publish:swapped``) makes the build print
+``infer-test-paused <stage>:<point>`` to stderr and sleep there, so tests/test_build_faults.py can
+``kill -9`` it at exactly that point. Unset, as outside those tests, it does nothing.
 """
 
 from __future__ import annotations
@@ -21,8 +27,22 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
+from infer.runtime.artifact import MANIFEST
+
 log = logging.getLogger("infer.build")
+
+
+class BuildError(Exception):
+    """A build that cannot go on; the message says why and what to do."""
 DONE = "_stage.json"
+PAUSE_ENV = "INFER_TEST_PAUSE_AT"
+
+
+def pause_point(point: str) -> None:
+    """The test hook above: sleeps at ``point`` when INFER_TEST_PAUSE_AT names it, else returns."""
+    if os.environ.get(PAUSE_ENV) == point:
+        print(f"infer-test-paused {point}", file=sys.stderr, flush=True)
+        time.sleep(3600)
 
 
 def content_key(*parts) -> str:
@@ -56,10 +76,12 @@ def run_stage(cache_dir: Path, name: str, inputs: dict, fn: Callable[[Path], dic
     log.info("stage %-9s running (%s)", name, key[:12])
     start = time.perf_counter()
     try:
+        pause_point(f"{name}:started")
         info = fn(tmp) or {}
         seconds = round(time.perf_counter() - start, 3)
         (tmp / DONE).write_text(json.dumps({"stage": name, "key": key, "inputs": inputs, "seconds": seconds, "info": info},
                                            indent=2, sort_keys=True, default=str))
+        pause_point(f"{name}:written")
         shutil.rmtree(final, ignore_errors=True)  # a stale, unfinished output of an older layout
         os.replace(tmp, final)
     except BaseException:
@@ -81,3 +103,19 @@ def progress(items: Iterable, desc: str, total: int | None = None):
         yield item
         if i in marks:
             log.info("%s: %d/%d", desc, i, n)
+
+
+def link_tree(src: Path, dst: Path, with_manifest: bool = False) -> Path:
+    """A stage's files into dst: hard links (cache entries are immutable), copies where links fail."""
+    skip = (DONE,) if with_manifest else (MANIFEST, DONE)
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if p.is_dir() or rel.as_posix() in skip:
+            continue
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(p, target)
+        except OSError:
+            shutil.copyfile(p, target)
+    return dst

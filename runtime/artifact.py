@@ -2,19 +2,30 @@
 
 An artifact is a directory: an HF-format model (config.json, safetensors weights, tokenizer) plus
 ``manifest.json``, which records what was built from what and the sha256 and size of every
-other file. The runtime opens an artifact only after checking every file against the manifest.
+other file. The runtime opens an artifact only after checking every file against the manifest,
+and opens nothing else: every path the manifest or the weights index names must be a plain
+relative path that stays inside the directory (no ``..``, not absolute, no symlink leading out),
+no symlink anywhere in it may lead out, and a file the runtime reads by name (tokenizer, chat
+template, index) must be one the manifest lists.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT = "infer-artifact"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+INDEX = "model.safetensors.index.json"
+# Files the runtime opens by name when they exist (tokenizer, chat template, weights index): each
+# one present must be a file the manifest lists, so nothing unverified is ever read.
+RUNTIME_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "chat_template.jinja", INDEX)
 
 
 class ArtifactError(Exception):
@@ -31,8 +42,47 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
 
 def describe_files(root: Path) -> dict[str, dict]:
     """sha256 and size of every file under root except the manifest, by relative path, sorted."""
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != MANIFEST)
     return {p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size} for p in files}
+
+
+def inside(root: Path, rel, what: str) -> Path:
+    """``root / rel`` for a path an artifact names (a manifest entry, an index's shard), refusing one
+    that is not a plain relative path or that resolves, through symlinks, outside ``root``: such a
+    path would make the runtime open a file nobody verified."""
+    if (not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel or rel.startswith("/")
+            or Path(rel).is_absolute() or any(part in ("", ".", "..") for part in rel.split("/"))):
+        raise ArtifactError(f"{root}: {what} {rel!r} is not a plain relative path inside the artifact "
+                            f"(absolute, empty, or with '.' or '..' parts); rebuild it with infer-build")
+    path = root / rel
+    base = _resolve(root)
+    if not _resolve(path).is_relative_to(base):
+        raise ArtifactError(f"{path}: {what} {rel!r} resolves to {_resolve(path)}, outside the artifact "
+                            f"directory {base} (a symlink leading out); replace it with the file itself")
+    return path
+
+
+def _resolve(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop, an unreadable link
+        raise ArtifactError(f"{path}: cannot be resolved ({e}); an artifact must hold plain files") from None
+
+
+def _walk_entries(root: Path) -> list[str]:
+    """Every entry under root that is not a directory (files, symlinks, anything else), relative,
+    without following symlinked directories; refuses a symlink that leads out of root."""
+    base = _resolve(root)
+    entries = []
+    for parent, dirs, names in os.walk(root, followlinks=False):
+        for name in dirs + names:
+            path = Path(parent, name)
+            if path.is_symlink() and not _resolve(path).is_relative_to(base):
+                raise ArtifactError(f"{path}: a symlink leading out of the artifact (to {_resolve(path)}); "
+                                    f"an artifact must hold its own files: replace the link with the file")
+        entries += [Path(parent, n).relative_to(root).as_posix() for n in names]
+        entries += [Path(parent, d).relative_to(root).as_posix() for d in dirs if Path(parent, d).is_symlink()]
+    return sorted(entries)
 
 
 def dump_json(data, path: Path) -> None:
@@ -64,8 +114,25 @@ class Artifact:
         return self.manifest["version"]
 
     def weight_files(self) -> list[Path]:
-        """The safetensors files the manifest lists, in name order."""
+        """The safetensors files the manifest lists, in name order: the only weights the runtime
+        opens (an index can name no other, verify_artifact checks)."""
         return [self.path / rel for rel in sorted(self.manifest["files"]) if rel.endswith(".safetensors")]
+
+
+def _check_index(root: Path, files: dict, rebuild: str) -> None:
+    """The weights index may name only shards the manifest lists, inside the artifact."""
+    index = root / INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise ArtifactError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e}); {rebuild}") from None
+    if not isinstance(weight_map, dict):
+        raise ArtifactError(f"{index}: weight_map is not an object; {rebuild}")
+    for tensor, rel in sorted(weight_map.items()):
+        inside(root, rel, f"{INDEX} entry {tensor!r} ->")
+        if rel not in files or not rel.endswith(".safetensors"):
+            raise ArtifactError(f"{index}: entry {tensor!r} names {rel!r}, which is not a safetensors file the "
+                                f"manifest lists (an index may only name the artifact's verified weights); {rebuild}")
 
 
 def verify_artifact(path: str | Path) -> Artifact:
@@ -91,10 +158,19 @@ def verify_artifact(path: str | Path) -> Artifact:
             f"or run it with the infer release that built it"
         )
     files = manifest.get("files") or {}
+    if not isinstance(files, dict):
+        raise ArtifactError(f"{manifest_path}: 'files' is not an object of path -> {{sha256, size}}; {rebuild}")
     for rel, expected in files.items():
-        file = root / rel
+        file = inside(root, rel, "manifest entry")
+        if (not isinstance(expected, dict) or not isinstance(expected.get("sha256"), str)
+                or not isinstance(expected.get("size"), int)):
+            raise ArtifactError(f"{manifest_path}: entry {rel!r} is not {{sha256, size}}; {rebuild}")
+        if rel == MANIFEST:
+            raise ArtifactError(f"{manifest_path}: lists itself; {rebuild}")
         if not file.is_file():
             raise ArtifactError(f"{file}: listed in the manifest but missing; {rebuild}")
+        if not stat.S_ISREG(file.stat().st_mode):
+            raise ArtifactError(f"{file}: listed in the manifest but not a regular file; {rebuild}")
         if file.stat().st_size != expected["size"]:
             raise ArtifactError(
                 f"{file}: size {file.stat().st_size} differs from the manifest's {expected['size']}: "
@@ -102,12 +178,15 @@ def verify_artifact(path: str | Path) -> Artifact:
             )
         if sha256_file(file) != expected["sha256"]:
             raise ArtifactError(f"{file}: sha256 differs from the manifest: the file was changed; {rebuild}")
-    extra = sorted(
-        p.relative_to(root).as_posix() for p in root.rglob("*")
-        if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in files
-    )
+    extra = [rel for rel in _walk_entries(root) if rel != MANIFEST and rel not in files]
     if extra:
         raise ArtifactError(f"{root / extra[0]}: not listed in the manifest (an unexpected file); remove it or {rebuild}")
+    for name in RUNTIME_FILES:  # what the runtime opens by name: a listed file, or nothing at all
+        if os.path.lexists(root / name) and name not in files:
+            raise ArtifactError(f"{root / name}: the runtime reads it but the manifest does not list it; "
+                                f"remove it or {rebuild}")
+    if INDEX in files:
+        _check_index(root, files, rebuild)
     for required in ("config.json", "tokenizer.json"):
         if required not in files:
             raise ArtifactError(f"{root / required}: the manifest lists no {required}; {rebuild}")
@@ -115,4 +194,6 @@ def verify_artifact(path: str | Path) -> Artifact:
         config = json.loads((root / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{root / 'config.json'}: not valid JSON ({e}); {rebuild}") from e
+    if not isinstance(config, dict):
+        raise ArtifactError(f"{root / 'config.json'}: not a JSON object; {rebuild}")
     return Artifact(root, manifest, config)

@@ -22,9 +22,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV cache size in bytes, or with a unit: 512M, 4G (default: 20%% of available RAM)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kernels", choices=["auto", "cpp", "torch"], default="auto",
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="most tokens one step computes; longer prompts are prefilled in chunks (default 1024)")
+    p.add_argument("--tuning", default="auto", metavar="auto|off|PATH",
+                   help="kernel choices per batch bucket: auto uses the artifact's tuning.json where it was "
+                        "measured on this hardware; off the defaults; or a tuning.json to follow (default auto)")
+    p.add_argument("--retune", action="store_true",
+                   help="measure the kernel choices on this machine now (a minute or two), write them to "
+                        "ARTIFACT.tuning.json beside the artifact (never into it), and use them")
+    p.add_argument("--kernels", choices=["auto", "cpp", "torch", "triton"], default="auto",
                    help="auto: the compiled CPU kernels where they load, else torch ops; cpp: those or fail; "
-                        "torch: plain torch ops (default auto; INFER_AMX=0 keeps AMX tiles off)")
+                        "torch: plain torch ops; triton: the GPU kernels (a CUDA device, or TRITON_INTERPRET=1 to check them "
+                        "on the CPU) (default auto; INFER_AMX=0 keeps AMX tiles off)")
     s = p.add_argument_group("server (without --prompt: an OpenAI-compatible HTTP API)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -61,7 +70,23 @@ def engine_config(args: argparse.Namespace):
     from .engine.engine import EngineConfig
 
     return EngineConfig(dtype=args.dtype, kv_cache_memory=parse_bytes(args.kv_cache_memory),
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels)
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        tuning=args.tuning)
+
+
+def retune(args: argparse.Namespace, artifact) -> None:
+    """Measures this machine's table beside the artifact (the verified directory stays as it is)."""
+    import torch
+
+    from .tuning import measure, write
+
+    path = artifact.path.with_name(artifact.path.name + ".tuning.json")
+    print("infer-run: measuring kernel choices on this machine (--retune) ...", file=sys.stderr, flush=True)
+    table = measure(artifact.path, [1, 2, 4, 8, 16, 32, 64], dtype=getattr(torch, args.dtype) if args.dtype else None)
+    write(table, path)
+    print(f"infer-run: wrote {path} in {table['seconds']:.0f}s; using it", file=sys.stderr, flush=True)
+    args.tuning = str(path)
 
 
 def server_config(args: argparse.Namespace):
@@ -84,10 +109,37 @@ def answer(args: argparse.Namespace, artifact) -> int:
     return 0
 
 
+def launched_worker(path: str) -> bool:
+    """Under a launcher (torchrun: RANK, WORLD_SIZE set) every rank runs infer-run on a sharded artifact:
+    rank 0 serves, the others become its workers (runtime/parallel/worker.py)."""
+    import json
+    from pathlib import Path
+
+    from .parallel.distributed import launched
+
+    env = launched()
+    if env is None or env[0] == 0:
+        return False
+    try:
+        tp = (json.loads((Path(path) / "manifest.json").read_text()).get("parallel") or {}).get("tp", 1)
+    except (OSError, ValueError, AttributeError):
+        tp = None
+    if tp == 1:
+        raise SystemExit(f"infer-run: error: RANK={env[0]}, but {path} is not sharded (no parallel.tp in its manifest): "
+                         f"run it without a launcher, or build it with parallel.tp=N")
+    return True
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if launched_worker(args.artifact):
+        from .parallel.worker import run_worker
+
+        sys.exit(run_worker(args.artifact))
     try:
         artifact = verify_artifact(args.artifact)  # a bad artifact fails here, before any loading (exit 2)
+        if args.retune:
+            retune(args, artifact)
         if args.prompt is not None:
             sys.exit(answer(args, artifact))
         from .serving.server import serve

@@ -50,3 +50,22 @@ def compare_logits(ours: torch.Tensor, ref: torch.Tensor) -> dict:
     kl = (lp.exp() * (lp - lq)).sum(-1)
     return {"max_abs": (ours - ref).abs().max().item(), "scale": ref.abs().max().item(),
             "mean_kl": kl.mean().item(), "top1": (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+
+
+def tiny_llama(out: Path, tokenizer_src: Path, layers: int = 2) -> Path:
+    """A random Llama (hidden 128) in HF format with the embedded model's tokenizer (and chat template)."""
+    import transformers
+
+    if (out / "config.json").is_file():
+        return out
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_src / name, out / name)
+    return out

@@ -75,10 +75,13 @@ def test_cli_build_is_cached_and_byte_identical(tmp_path):
     assert manifest["source"]["sha256"] == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
     assert manifest["build"]["packages"]["torch"].startswith("2.13.0")
     assert manifest["recipe"]["model"]["dtype"] == "float32"
-    # a rebuild into a fresh cache (no stage reused) gives the same bytes too
+    # a rebuild into a fresh cache (no stage reused) gives the same model bytes; only the kernel timings
+    # measured anew by the tune stage (and the manifest listing their hash) may differ
+    assert "tuning.json" in names
     third = run_cli("infer-build", f"output_dir={out2}", f"cache_dir={tmp_path / 'cache2'}")
     assert third.returncode == 0
-    assert all((out1 / n).read_bytes() == (out2 / n).read_bytes() for n in names)
+    assert {n for n in names if (out1 / n).read_bytes() != (out2 / n).read_bytes()} <= {"tuning.json", "manifest.json"}
+    assert (out1 / "model.safetensors").read_bytes() == (out2 / "model.safetensors").read_bytes()
 
 
 def test_interrupted_build_publishes_nothing_and_resumes(tmp_path, monkeypatch):
@@ -95,7 +98,7 @@ def test_interrupted_build_publishes_nothing_and_resumes(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache" / "stages").glob("package/*"))
     monkeypatch.undo()
     result = build(cfg)
-    assert [(s.name, s.cached) for s in result.stages] == [("load", True), ("package", False)]
+    assert [(s.name, s.cached) for s in result.stages] == [("load", True), ("package", False), ("tune", False)]
     verify_artifact(result.artifact)
 
 

@@ -42,7 +42,8 @@ def test_gates_verdicts_messages_and_junit():
     assert "ppl_increase_pct" in msg and "2%" in msg and "<= 1%" in msg  # the gate, the value, the threshold
     root = ET.fromstring(junit_xml(results))
     cases = {c.get("name"): c for c in root.iter("testcase")}
-    assert set(cases) == {"ppl_increase_pct", "top1_agreement_min", "mean_kld_max", "greedy_agreement_min"}
+    assert set(cases) == {"ppl_increase_pct", "top1_agreement_min", "mean_kld_max", "greedy_agreement_min",
+                          "chat_top1_agreement_min", "chat_mean_kld_max"}
     assert cases["ppl_increase_pct"].find("failure") is not None
     assert cases["top1_agreement_min"].find("failure") is None and cases["top1_agreement_min"].find("skipped") is None
     assert cases["mean_kld_max"].find("skipped") is not None
@@ -161,3 +162,24 @@ def test_local_tasks_run_offline(adapter, monkeypatch):
     assert 0.0 <= res["infer_mc"]["acc"] <= 1.0 and res["infer_mc"]["sample_len"] == 2
     assert res["infer_lastword"]["perplexity"] > 1.0 and 0.0 <= res["infer_lastword"]["acc"] <= 1.0
     json.dumps(res)  # plain data, as eval.json stores it
+
+
+# ---------------------------------------------------------------- chat prompts
+def test_chat_prompts_are_rendered_as_a_chat_request_and_compared_on_the_answers(embedded_llm, hf_reference):
+    from infer.eval.metrics import chat_prompt_ids, compare_on_chat
+
+    _, tok = hf_reference
+    prompts = load_prompts("default", 3)
+    ids = chat_prompt_ids(embedded_llm.tokenizer, prompts)
+    for p, got in zip(prompts, ids):  # transformers' own rendering of the same request
+        want = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want
+        assert got == list(want)
+        assert got[0] == 1 and tok.decode(got, skip_special_tokens=False).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    c = compare_on_chat(embedded_llm, embedded_llm, prompts, 12)
+    assert c["chat_template"] is True and c["prompts"] == 3 and c["greedy_agreement"] == 1.0
+    assert c["chat_mean_kld"] == pytest.approx(0.0, abs=1e-7) and c["chat_top1_agreement"] == 1.0
+    assert 3 <= c["chat_tokens"] <= 3 * 12  # the answers' tokens, each scored once
+    answer = embedded_llm.generate([ids[0]], __import__("infer.runtime", fromlist=["SamplingParams"]).SamplingParams(
+        temperature=0.0, max_tokens=12))[0].text
+    assert answer.startswith("The capital of France is Paris"), answer

@@ -42,8 +42,10 @@ def test_passing_build_publishes_a_gated_artifact_with_its_report(passing_build)
     c = doc["evaluation"]["comparison"]
     assert 0 < c["mean_kld"] < 0.05 and 0.9 <= c["top1_agreement"] < 1.0 and abs(c["ppl_increase_pct"]) < 2
     assert 0.0 <= c["greedy_agreement"] <= 1.0 and c["prompts"] == 2
+    # the chat prompts' answers, read by both models: bfloat16 moves them a little
+    assert 0 < c["chat_mean_kld"] < 0.05 and 0.8 <= c["chat_top1_agreement"] <= 1.0 and c["chat_tokens"] > 0
     assert doc["evaluation"]["baseline"]["model"]["dtype"] == "float32"
-    assert [s["name"] for s in doc["stages"] if s["role"] == "artifact"] == ["load", "package"]
+    assert [s["name"] for s in doc["stages"] if s["role"] == "artifact"] == ["load", "package", "tune"]
     assert any(s["role"] == "baseline" for s in doc["stages"]) and any(s["name"] == "eval" for s in doc["stages"])
     report = (out / "report.md").read_text()
     for needle in ("ppl_increase_pct", "top1_agreement_min", "PASS", "## Stages", "## Quantization", "## Recipe",
@@ -52,7 +54,7 @@ def test_passing_build_publishes_a_gated_artifact_with_its_report(passing_build)
     assert "<img src='plots/metrics.png'" in (out / "report.html").read_text()
     assert (out / "plots" / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
-    assert len(cases) == 4 and cases["ppl_increase_pct"].find("failure") is None
+    assert len(cases) == 6 and cases["ppl_increase_pct"].find("failure") is None
     assert cases["mean_kld_max"].find("skipped") is not None
     print(f"\nbf16 vs fp32: ppl {doc['evaluation']['perplexity']['ppl']:.4f} vs "
           f"{doc['evaluation']['baseline_perplexity']['ppl']:.4f} ({c['ppl_increase_pct']:+.3f}%), "
@@ -108,7 +110,7 @@ def test_infer_eval_on_any_artifact(passing_build, embedded_artifact, tmp_path):
     doc = json.loads(results.read_text())
     assert doc["evaluation"]["comparison"]["top1_agreement"] == 1.0 and doc["passed"] is True
     assert (tmp_path / "report" / "report.html").is_file()
-    assert len(list(ET.parse(junit).getroot().iter("testcase"))) == 4
+    assert len(list(ET.parse(junit).getroot().iter("testcase"))) == 6
     # an impossible gate: exit 3 with the gate named
     bad = run_cli("infer-eval", str(embedded_artifact), "--max-windows", "1", "--seq-len", "32",
                   "--gate", "greedy_agreement_min=1", timeout=600)
@@ -133,3 +135,60 @@ def test_multirun_sweep_writes_one_comparison_report(passing_build, cache_dir, t
     assert rows["0: bfloat16"].rstrip(" |").endswith("FAIL") and rows["1: float32"].rstrip(" |").endswith("PASS")
     assert (sweep / "comparison.html").is_file() and (sweep / "plots" / "comparison.png").is_file()
     assert len(list((sweep / "variants").glob("*.json"))) == 2
+
+
+# ---------------------------------------------------------------------------- gates on chat prompts
+
+_BROKEN_BUILD = '''
+import sys
+from safetensors.torch import load_file, save_file
+import infer.pipeline.quantize as q
+
+real = q.quantize
+
+
+def broken(checkpoint, out, cfg, plan, windows):  # the scheme the recipe asks for, with corrupted scales
+    info = real(checkpoint, out, cfg, plan, windows)
+    state = load_file(out / "model.safetensors")
+    for k in state:
+        if k.endswith("mlp.down_proj.weight_scale"):
+            state[k] = state[k] * 3.0
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    return info
+
+
+q.quantize = broken
+from infer.pipeline.cli import main
+sys.argv = ["infer-build", *sys.argv[1:]]
+main()
+'''
+
+CHAT_SMALL = ["eval.seq_len=64", "eval.stride=64", "eval.max_windows=1", "eval.max_prompts=4", "eval.greedy_tokens=12"]
+
+
+def test_chat_gates_fail_a_broken_build_with_exit_3(embedded_artifact, tmp_path):
+    """FP8 (data-free, seconds) with every down_proj's weight scales tripled after quantization: the chat
+    gates alone are set, and they stop it (exit 3, the gates named, nothing published)."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out, junit = tmp_path / "broken", tmp_path / "junit.xml"
+    args = ["recipe=smollm2_135m_fp8", f"model.source={embedded_artifact}", "quant.ignore=[lm_head]",
+            f"output_dir={out}", f"cache_dir={tmp_path / 'cache'}", *CHAT_SMALL,
+            "eval.gates.chat_top1_agreement_min=0.8", "eval.gates.chat_mean_kld_max=0.1", f"eval.junit={junit}"]
+    proc = subprocess.run([sys.executable, "-c", _BROKEN_BUILD, *args], capture_output=True, text=True, cwd=REPO,
+                          timeout=900)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    err = proc.stderr
+    assert "gate chat_top1_agreement_min FAILED" in err and "gate chat_mean_kld_max FAILED" in err, err[-3000:]
+    assert "Nothing was published" in err and not out.exists()
+    doc = json.loads((out.with_name(out.name + ".gate-failed") / "eval.json").read_text())
+    c = doc["evaluation"]["comparison"]
+    assert c["chat_top1_agreement"] < 0.8 and c["chat_mean_kld"] > 0.1 and c["chat_tokens"] > 0
+    cases = {c.get("name"): c for c in ET.parse(junit).getroot().iter("testcase")}
+    assert cases["chat_top1_agreement_min"].find("failure") is not None
+    assert cases["ppl_increase_pct"].find("skipped") is not None  # only the chat gates were set
+    print(f"\nbroken fp8 on chat prompts: top-1 {c['chat_top1_agreement']:.3f}, KLD {c['chat_mean_kld']:.3f}, "
+          f"greedy {c['greedy_agreement']:.3f}")

@@ -29,9 +29,12 @@ Tolerances, and why:
   of activations to 8 bits is discontinuous, so a 1e-7 difference in summation order flips some
   roundings and the flips compound over 30 layers. transformers itself moves by as much when only
   the float32 sums are computed more exactly: the test measures that noise floor (the reference
-  arithmetic with each matmul summed in float64) and requires mean KL(ref || ours) <= 3 x
-  that floor + 0.005 and top-1 agreement >= 80%; greedy continuations match for at least half
-  their length on average.
+  arithmetic with each matmul summed in float64) and requires mean KL(ref || ours) <= 1.5 x
+  that floor + 0.002 (measured 1.02-1.10x) and top-1 agreement within 3 points of the floor's;
+  greedy continuations match for at least half their length on average. Layer by layer, the
+  W8A8 and FP8_DYNAMIC linears are checked against a float64 emulation of the declared scheme
+  (dynamic per-token scales, rounding, then the matmul): same codes, same outputs to float32
+  accuracy, each token independent of the others.
 """
 
 from __future__ import annotations
@@ -164,7 +167,9 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
         floor = compare_logits(exact_model.logits(fresh_ids)[0], ref_logits)
         print(scheme, "noise floor", floor)
         assert floor["mean_kl"] > 0, "the float64 reference should move the logits"
-        assert kernel["mean_kl"] <= 3 * floor["mean_kl"] + 0.005 and kernel["top1"] >= 0.8, (kernel, floor)
+        # measured 1.02-1.10x the floor (the FP8 kernel summed in float32; its former bfloat16 sums were 1.3x)
+        assert kernel["mean_kl"] <= 1.5 * floor["mean_kl"] + 0.002 and kernel["top1"] >= floor["top1"] - 0.03, \
+            (kernel, floor)
         monkeypatch.undo()
 
     # greedy continuations of a prompt set, through the kernels: weight-only schemes agree token for token;
@@ -251,3 +256,84 @@ def test_fused_projections_concatenate_per_tensor_scales():
     x = torch.randn(3, 256)
     y = make_linear(fused, None, torch.float32, disable=("cpu-fp8",))(x)
     assert y.shape == (3, 192)
+
+
+# ---------------------------------------------------------------------------- the declared scheme, in float64
+
+def _e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float64 values rounded to the nearest float8 e4m3fn value (ties to even), computed in float64."""
+    a = v.abs().clamp(max=448.0)
+    quantum = torch.exp2(torch.floor(torch.log2(a.clamp(min=2.0 ** -6))) - 3)  # 3 mantissa bits; subnormals 2^-9
+    return torch.sign(v) * torch.round(a / quantum) * quantum
+
+
+def _declared(kind: str, x: torch.Tensor, w) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the checkpoint declares, in float64: dynamic per-token activation scales (absmax / 127.5 for
+    int8, / 448 for e4m3), round (int: to nearest, clamp to [-128, 127]; fp8: to nearest e4m3), then
+    (codes x scale) @ (weight codes x weight scale)^T. Returns (activation codes, output)."""
+    x64 = x.double()
+    absmax = x64.abs().amax(-1, keepdim=True)
+    if kind == "w8a8":
+        s = absmax / 127.5
+        codes = torch.round(x64 / s).clamp(-128, 127)
+    else:
+        s = absmax / 448.0
+        codes = _e4m3(x64 / s)
+    w64 = w.q.double() * w.scale.double()
+    return codes, (codes * s) @ w64.t()
+
+
+def _dynamic_layer(kind: str, n: int = 96, k: int = 256):
+    from infer.runtime.model.compressed_tensors import Args, QuantWeight
+
+    g = torch.Generator().manual_seed(2)
+    wf = torch.randn(n, k, generator=g) * 0.05
+    if kind == "w8a8":
+        scale = wf.abs().amax(1, keepdim=True) / 127.5
+        q = torch.round(wf / scale).clamp(-128, 127).to(torch.int8)
+        return QuantWeight(Args(8, "int", "channel"), Args(8, "int", "token", dynamic=True), q, scale)
+    scale = wf.abs().amax(1, keepdim=True) / 448.0
+    q = (wf / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return QuantWeight(Args(8, "float", "channel"), Args(8, "float", "token", dynamic=True), q, scale)
+
+
+@pytest.mark.parametrize("kind, backend", [("w8a8", "cpu-w8a8"), ("fp8", "cpu-fp8")])
+def test_dynamic_activation_layers_compute_the_declared_scheme(kind, backend):
+    """The runtime's W8A8 and FP8_DYNAMIC linears against a float64 emulation of the declared scheme, on
+    fresh random inputs with outlier channels: the same activation codes (a float32 division may land
+    a value on the other side of a rounding boundary: at most 0.1% of codes, one step), the same
+    outputs to float32 accuracy, and each token's result independent of the others (per-token, not
+    per-tensor, scales)."""
+    from infer.runtime.model.quant_linear import make_linear, quantize_activations
+
+    w = _dynamic_layer(kind)
+    x = torch.randn(9, w.in_features)
+    x[:, torch.randperm(w.in_features)[:3]] *= 40  # activation outliers, as real models have
+    x[0] *= 1e-3  # one quiet token next to loud ones: a per-tensor scale would crush it
+    layer = make_linear(w, None, torch.float32)
+    assert layer.backend == backend
+    codes64, y64 = _declared(kind, x, w)
+    codes, xs = quantize_activations(x, w.inputs, None)
+    flips = (codes.double() != codes64)
+    # int8: absmax / 127.5 puts each token's largest value exactly on a rounding tie (+-127.5), so which
+    # neighbour it gets depends on how the scale was rounded (float32 here and in compressed-tensors,
+    # float64 in the emulation): those are ambiguous in the declared scheme itself, and allowed
+    v64 = x.double() / (x.double().abs().amax(-1, keepdim=True) / (127.5 if kind == "w8a8" else 448.0))
+    tie = ((v64.abs() - v64.abs().floor() - 0.5).abs() < 1e-6) if kind == "w8a8" else torch.zeros_like(flips)
+    assert (flips & ~tie).float().mean() <= 1e-3, (flips & ~tie).sum()
+    if flips.any() and kind == "w8a8":
+        assert ((codes.double() - codes64).abs()[flips] == 1).all()
+    y = layer(x).double()
+    scale = y64.abs().max()
+    # the runtime's own codes through the float64 matmul: the arithmetic alone
+    w64 = w.q.double() * w.scale.double()
+    same_codes = (codes.double() * xs.double()) @ w64.t()
+    assert (y - same_codes).abs().max() <= 1e-5 * scale, (y - same_codes).abs().max() / scale
+    budget = (flips.double() * xs.double() * (1.0 if kind == "w8a8" else 32.0)) @ w64.abs().t()  # a flip's reach
+    assert ((y - y64).abs() <= 1e-5 * scale + budget).all()
+    # per token: every token, the quiet one too, spans the whole code range (a per-tensor scale would give
+    # the quiet token codes a thousandth as large), and computes as if alone
+    full = 127 if kind == "w8a8" else 448
+    assert (codes.double().abs().amax(-1) >= full).all(), codes.double().abs().amax(-1)
+    alone = layer(x[:1]).double()  # (float32 sums may be ordered differently for one row: not bit-equal)
+    assert (alone - y[:1]).abs().max() <= 1e-6 * alone.abs().max()

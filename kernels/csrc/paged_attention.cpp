@@ -246,25 +246,50 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 // q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim];
 // block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64. Returns [seqs, heads, head_dim].
+// Every index is checked before any is used (the kernel reads the cache through them): a context
+// length in 1 .. max_blocks * block_size, and each block id it reaches in 0 .. blocks - 1. Entries of
+// a table past its context are never read and may hold anything.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  for (const auto& t : {q, k_cache, v_cache, block_tables, context_lens})
+    TORCH_CHECK(t.device().is_cpu(), "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode_attention: q must be [seqs, heads, d] and the caches [blocks, block_size, kv_heads, d] "
+              "of one shape; got q ", q.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type(), "q and the cache must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "q and the caches must share a dtype");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
-  auto out = torch::empty_like(q);
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  TORCH_CHECK(num_heads % num_kv_heads == 0 && k_cache.size(3) == head_dim, "head layout mismatch");
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(num_kv_heads > 0 && block_size > 0 && head_dim > 0 && num_heads % num_kv_heads == 0 &&
+                  k_cache.size(3) == head_dim, "head layout mismatch");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && context_lens.dim() == 1 &&
+                  context_lens.size(0) == num_seqs,
+              "paged_decode_attention: block_tables must be [seqs, max_blocks] and context_lens [seqs] for ",
+              num_seqs, " sequences; got ", block_tables.sizes(), " and ", context_lens.sizes());
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "paged_decode_attention: context length ",
+                lens[s], " of sequence ", s, " is outside 1..", max_blocks * block_size,
+                " (its block table's ", max_blocks, " blocks of ", block_size, " tokens)");
+    const int64_t* table = tables + s * max_blocks;
+    for (int64_t b = 0, used = (lens[s] + block_size - 1) / block_size; b < used; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block id ", table[b],
+                  " at block_tables[", s, "][", b, "] is outside the cache's ", num_blocks, " blocks");
+  }
+  auto out = torch::empty_like(q);
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                             out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                            block_tables.size(1), static_cast<float>(scale));
+                            max_blocks, static_cast<float>(scale));
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -279,15 +304,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // head_dim] with rows that may be strided (slices of the fused qkv projection are); slots [T] int64,
 // each block * block_size + offset. Two index_copy_ calls otherwise, twice the dispatch per layer.
 void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  for (const auto& t : {k_cache, v_cache, slots, k, v}) TORCH_CHECK(t.device().is_cpu(), "store_kv_: CPU tensors only");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes(), "store_kv_: caches must be contiguous [blocks, block_size, kv_heads, d]");
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "store_kv_: caches must be contiguous [blocks, block_size, kv_heads, d] of one shape and dtype");
   const int64_t row = k_cache.size(2) * k_cache.size(3), capacity = k_cache.size(0) * k_cache.size(1);
   for (const auto& t : {k, v}) {
     TORCH_CHECK(t.dim() == 3 && t.size(1) * t.size(2) == row && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
                     t.scalar_type() == k_cache.scalar_type() && t.size(0) == slots.numel(),
                 "store_kv_: k and v must be [T, kv_heads, head_dim] of the cache's dtype, one row per slot");
   }
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "store_kv_: slots must be contiguous int64");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
+              "store_kv_: slots must be a contiguous [T] int64 tensor");
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t bytes = row * k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());

@@ -1,18 +1,35 @@
 """The KV-cache block pool: reference counts, a free list, block tables, and the prefix cache.
 
 A full block is identified by the hash of its tokens chained with the previous block's hash
-(seeded with the model's identity), so equal prefixes map to equal hashes. A freed block keeps
-its hash and contents and joins the back of the free list; taking a block from the front of
-the list evicts the least recently freed one. A new sequence reuses every cached leading block.
-Prompt blocks still being computed are known by hash too ("in flight"), so a request that
-arrives with the same prefix can wait a step for them instead of computing them again.
+(seeded with the model's identity), so equal prefixes map to equal hashes. The hash is sha256 of
+the parent's digest and the token ids packed as int64 (``block_key``): Python's ``hash()`` of a
+tuple is 64 bits and not collision resistant, so a crafted prompt could collide with another
+user's cached prefix and be served its KV (vLLM's CVE-2025-25183); a sha256 chain cannot be
+steered that way, and gives the same keys in every process whatever PYTHONHASHSEED is. It costs
+about 1-2 us a block. A freed block keeps its hash and contents and joins the back of the free
+list; taking a block from the front of the list evicts the least recently freed one. A new
+sequence reuses every cached leading block. Prompt blocks still being computed are known by hash
+too ("in flight"), so a request that arrives with the same prefix can wait a step for them
+instead of computing them again.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
+
+
+def root_key(model_id: str) -> bytes:
+    """The chain's seed: different models never share a key."""
+    return hashlib.sha256(b"infer-prefix\0" + model_id.encode()).digest()
+
+
+def block_key(parent: bytes, tokens) -> bytes:
+    """sha256 of the parent block's key (32 bytes) then this block's token ids as int64."""
+    return hashlib.sha256(parent + array("q", tokens).tobytes()).digest()
 
 
 class Block:
@@ -21,7 +38,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: int | None = None
+        self.hash: bytes | None = None
         self.token_ids: tuple[int, ...] = ()
 
 
@@ -33,9 +50,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
-        self.cached: dict[int, int] = {}  # block hash -> block id
-        self.in_flight: dict[int, int] = {}  # hash of a prompt block being computed -> the computing seq_id
-        self.root_hash = hash(("infer-prefix", model_id))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id
+        self.in_flight: dict[bytes, int] = {}  # hash of a prompt block being computed -> the computing seq_id
+        self.root_hash = root_key(model_id)
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of those, found
 
@@ -61,8 +78,8 @@ class BlockManager:
         return self.blocks_needed(seq, num_new_tokens) <= len(self.free)
 
     # ------------------------------------------------------------------ prefix cache
-    def _chain(self, prev: int, tokens: list[int]) -> int:
-        return hash((prev, tuple(tokens)))
+    def _chain(self, prev: bytes, tokens: list[int]) -> bytes:
+        return block_key(prev, tokens)
 
     def match_prefix(self, seq: Sequence) -> int | None:
         """Attaches cached leading blocks to a sequence that has none yet; returns tokens reused.
@@ -94,7 +111,7 @@ class BlockManager:
         self.prefix_hits += hit
         return hit
 
-    def _hashed_tip(self, seq: Sequence) -> int:
+    def _hashed_tip(self, seq: Sequence) -> bytes:
         """The chain hash of the sequence's last registered block (the root before any)."""
         return self.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else self.root_hash
 
@@ -108,7 +125,7 @@ class BlockManager:
             if self.in_flight.setdefault(h, seq.seq_id) == seq.seq_id:
                 seq.in_flight_hashes.append(h)
 
-    def _land(self, seq: Sequence, h: int) -> None:
+    def _land(self, seq: Sequence, h: bytes) -> None:
         """Nobody needs to wait for block hash ``h`` from this sequence any more."""
         if self.in_flight.get(h) == seq.seq_id:
             del self.in_flight[h]

@@ -3,6 +3,11 @@
 It ties the pieces together: an artifact verified on load, the scheduler and block manager
 deciding what runs, the model runner executing it, the sampler choosing tokens, and per-request
 detokenization with stop strings. It is synchronous; a server drives ``step()`` from its own loop.
+
+One request cannot fail another: parameters are checked when a request is added, and a fault
+during a step that belongs to one sequence (its rows of the forward pass, its sampling, its
+detokenization or stop strings) finishes that request alone with ``finish_reason="error"`` and
+``RequestOutput.error`` saying why, its KV blocks freed; the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -19,10 +25,11 @@ from infer.kernels.resolver import resolve
 from ..artifact import Artifact, verify_artifact
 from .block_manager import BlockManager
 from ..model import ModelConfig, load_model
-from .model_runner import ModelRunner, kv_bytes_per_block
+from ..parallel import tensor_parallel_size
+from .model_runner import ModelRunner, StepOutput, kv_bytes_per_block
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -45,6 +52,8 @@ class EngineConfig:
     # amx: None where the CPU has AMX, False never (the non-AMX path), True required (infer.kernels.resolver)
     kernels: str = "auto"
     amx: bool | None = None
+    # auto: the artifact's tuning.json where it was measured on this hardware | off | a table's path
+    tuning: str = "auto"
 
 
 @dataclass
@@ -55,13 +64,14 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (then ``error`` says why)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] | None = None
     prompt_logprobs: list[dict | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 
 class _Request:
@@ -73,6 +83,7 @@ class _Request:
         self.text = ""
         self.emitted_text = 0
         self.emitted_tokens = 0
+        self.error: str | None = None
         self.max_stop = max((len(s) for s in seq.params.stop), default=0)
 
     def add_token(self, token_id: int) -> bool:
@@ -107,6 +118,49 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def isolate(run, items: list) -> tuple[list[tuple[list, object]], list[tuple[object, Exception]]]:
+    """``run(items)``; when it raises, each half again, down to single items, so that a fault one
+    item causes fails that item alone. Returns ``([(part, run(part)), ...], [(item, exception), ...])``.
+    A fault that every item hits alone fails them all (an engine-wide bug)."""
+    try:
+        return [(items, run(items))], []
+    except Exception as e:
+        if len(items) == 1:
+            return [], [(items[0], e)]
+        log.warning("%s failed on %d sequences (%s: %s); retrying in halves to find the culprit",
+                    getattr(run, "__name__", "step"), len(items), type(e).__name__, e)
+    mid = len(items) // 2
+    ok_a, bad_a = isolate(run, items[:mid])
+    ok_b, bad_b = isolate(run, items[mid:])
+    return ok_a + ok_b, bad_a + bad_b
+
+
+def _describe(e: Exception) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def load_tuning(artifact: Artifact, setting: str):
+    """The tuning table the engine follows: the artifact's own (``auto``, when listed in its manifest),
+    a given file, or none (``off``); a table measured on other hardware is ignored with a warning."""
+    from ..tuning import FILE, Tuning
+
+    if setting == "off":
+        return None
+    if setting == "auto":
+        if FILE not in artifact.manifest.get("files", {}):
+            return None
+        path = artifact.path / FILE
+    else:
+        path = Path(setting).expanduser()
+    table = Tuning.load(path)
+    if not table.matches_here(str(path)):
+        return None
+    changed = table.changed()
+    log.info("tuning %s: %s", path, "; ".join(changed) if changed else "the defaults were measured best")
+    return table
+
+
 class LLMEngine:
     def __init__(self, artifact: Artifact | str | os.PathLike, config: EngineConfig | None = None, **overrides):
         """``artifact``: a verified Artifact (as the CLI, the server and eval pass it), or a path to verify."""
@@ -119,14 +173,21 @@ class LLMEngine:
         dtype = _DTYPES.get(cfg.dtype) if cfg.dtype else None
         mcfg = ModelConfig.from_hf(self.artifact.config)
         # the dtype the model will run in decides the kernels; load_model settles the artifact's default
-        self.model = load_model(self.artifact.path, dtype, lambda d: resolve(
+        self.tuning = load_tuning(self.artifact, cfg.tuning)
+        tp = tensor_parallel_size(self.artifact)
+        self.ranks = None  # a sharded artifact: the other ranks load their slices meanwhile (runtime/parallel)
+        if tp > 1:
+            from ..parallel.runner import RankGroup
+
+            self.ranks = RankGroup.start(self.artifact, cfg)
+        self.model = (self.ranks.load_model if self.ranks else load_model)(self.artifact.path, dtype, lambda d: resolve(
             cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size),
-            hf_config=self.artifact.config, files=self.artifact.weight_files())
+            hf_config=self.artifact.config, files=self.artifact.weight_files(), tuning=self.tuning)
         self.kernels = self.model.kernels
         log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
-        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.model.dtype)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.model.dtype) * tp  # a rank holds 1/tp of it
         budget = cfg.kv_cache_memory or int(available_memory() * cfg.kv_cache_fraction)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
         num_blocks = min(budget // per_block, useful)
@@ -138,7 +199,8 @@ class LLMEngine:
                                           model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, num_blocks, cfg.block_size, self.kernels)
+        self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
+                                                                        self.kernels, self.tuning)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -161,9 +223,14 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+        """Queues a request; ValueError naming the problem when its prompt or parameters are out of
+        bounds (checked again here, against this model's vocabulary, since params are mutable)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, not {type(params).__name__}")
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a string, not {type(request_id).__name__}")
+        params.validate(self.model.config.vocab_size)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self.tokenize_prompt(prompt)
@@ -190,7 +257,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """One forward pass over what the scheduler picked; outputs of requests that advanced."""
+        """One forward pass over what the scheduler picked; outputs of requests that advanced.
+
+        What fails for one sequence ends that request alone (finish_reason "error"): a forward pass
+        that raises is run again on halves of the batch until the sequences that fail alone are
+        found, sampling likewise, and a row with non-finite logits or a detokenizer/stop-string
+        fault fails its own request. Only scheduling itself can raise out of here, leaving the
+        engine consistent: the caller may abort its requests and go on.
+        """
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -198,36 +272,93 @@ class LLMEngine:
         for seq in batch.seqs:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-        result = self.runner.execute(batch)
+
+        def forward(part: list[tuple[Sequence, int]]) -> StepOutput:
+            return self.runner.execute(ScheduledBatch([s for s, _ in part], [n for _, n in part], []))
+
+        ran, failed = isolate(forward, list(zip(batch.seqs, batch.num_tokens)))
         self.stats["steps"] += 1
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            computed = seq.num_computed_tokens
-            if seq.seq_id in result.prompt_logits:
-                self._record_prompt_logprobs(seq, *result.prompt_logits[seq.seq_id])
-            self.stats["prompt_tokens"] += max(0, min(computed + n, seq.num_prompt_tokens) - computed)
-            seq.num_computed_tokens = computed + n
-            self.block_manager.register_full_blocks(seq)
-        outputs = []
-        if result.sampled:
-            sampled = sample(result.logits, result.sampled)
-            now = time.monotonic()
-            for i, seq in enumerate(result.sampled):
-                req = self.requests[seq.request_id]
-                token = sampled.token_ids[i]
-                seq.token_ids.append(token)
-                self.stats["generation_tokens"] += 1
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                if sampled.logprobs is not None and sampled.logprobs[i] is not None:
-                    seq.output_logprobs.append(sampled.logprobs[i])
-                stopped_by_text = req.add_token(token)
-                reason = self._finish_reason(seq, token, stopped_by_text)
-                if reason:
-                    seq.finish_reason = reason
-                    self.scheduler.finish(seq)
-                    del self.requests[seq.request_id]
-                outputs.append(self._output(req))
+        outputs = [self._fail(seq, f"the forward pass failed on this request: {_describe(e)}")
+                   for (seq, _), e in failed]
+        to_sample, rows = [], []
+        for part, result in ran:
+            for seq, n in part:
+                try:
+                    self._advance(seq, n, result)
+                except Exception as e:
+                    outputs.append(self._fail(seq, f"recording this request's step failed: {_describe(e)}"))
+            keep = [j for j, seq in enumerate(result.sampled) if not seq.is_finished]
+            if keep:
+                rows.append(result.logits if len(keep) == len(result.sampled) else result.logits[keep])
+                to_sample += [result.sampled[j] for j in keep]
+        if to_sample:
+            outputs += self._sample(rows[0] if len(rows) == 1 else torch.cat(rows), to_sample)
         return outputs
+
+    def _advance(self, seq: Sequence, n: int, result: StepOutput) -> None:
+        """Marks ``n`` more tokens of ``seq`` computed: prompt logprobs, counters, the prefix cache."""
+        computed = seq.num_computed_tokens
+        if seq.seq_id in result.prompt_logits:
+            self._record_prompt_logprobs(seq, *result.prompt_logits[seq.seq_id])
+        self.stats["prompt_tokens"] += max(0, min(computed + n, seq.num_prompt_tokens) - computed)
+        seq.num_computed_tokens = computed + n
+        self.block_manager.register_full_blocks(seq)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Chooses each sequence's next token; a row the sampler fails on fails its own request.
+
+        Seeded generators are rewound before every try, so a retry draws what the first try would have.
+        """
+        states = {s.seq_id: s.generator.get_state() for s in seqs if s.generator is not None}
+
+        def sampling(rows: list[int]):
+            for i in rows:
+                if seqs[i].generator is not None:
+                    seqs[i].generator.set_state(states[seqs[i].seq_id])
+            return sample(logits if len(rows) == len(seqs) else logits[rows], [seqs[i] for i in rows])
+
+        done, failed = isolate(sampling, list(range(len(seqs))))
+        outputs = [self._fail(seqs[i], f"sampling failed on this request: {_describe(e)}") for i, e in failed]
+        now = time.monotonic()
+        for rows, result in done:
+            for k, i in enumerate(rows):
+                seq = seqs[i]
+                if k in result.errors:
+                    outputs.append(self._fail(seq, result.errors[k]))
+                    continue
+                logprob = result.logprobs[k] if result.logprobs is not None else None
+                try:
+                    outputs.append(self._append(seq, result.token_ids[k], logprob, now))
+                except Exception as e:
+                    outputs.append(self._fail(seq, f"detokenizing or checking stop conditions failed: {_describe(e)}"))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:
+        """Adds a sampled token: its text, stop strings and tokens, the finish reason."""
+        req = self.requests[seq.request_id]
+        seq.token_ids.append(token)
+        self.stats["generation_tokens"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if logprob is not None:
+            seq.output_logprobs.append(logprob)
+        stopped_by_text = req.add_token(token)
+        reason = self._finish_reason(seq, token, stopped_by_text)
+        if reason:
+            seq.finish_reason = reason
+            self.scheduler.finish(seq)
+            del self.requests[seq.request_id]
+        return self._output(req)
+
+    def _fail(self, seq: Sequence, why: str) -> RequestOutput:
+        """Ends one request with finish_reason "error": out of the scheduler, its blocks freed."""
+        log.error("request %s failed: %s", seq.request_id, why)
+        req = self.requests.pop(seq.request_id, None) or _Request(seq, self.tokenizer)
+        if not seq.is_finished:
+            self.scheduler.abort(seq)
+        seq.finish_reason = "error"
+        req.error = why
+        return self._output(req)
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_text: bool) -> str | None:
         p = seq.params
@@ -260,13 +391,17 @@ class LLMEngine:
             delta_text=delta_text, delta_token_ids=delta_tokens,
             logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens,
+            num_cached_tokens=seq.num_cached_tokens, error=req.error,
             metrics={"arrival_time": seq.arrival_time, "first_scheduled_time": seq.first_scheduled_time,
                      "first_token_time": seq.first_token_time, "num_preemptions": seq.num_preemptions},
         )
 
     def kv_usage(self) -> float:
         return self.block_manager.usage
+
+    def close(self) -> None:
+        """Stops what the engine started beyond this process (a sharded artifact's other ranks)."""
+        self.runner.close()
 
 
 __all__ = ["LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams", "Status"]

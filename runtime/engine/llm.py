@@ -19,7 +19,12 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Runs every prompt to completion with continuous batching; outputs in prompt order."""
+        """Runs every prompt to completion with continuous batching; outputs in prompt order.
+
+        Bad prompts or parameters raise ValueError, naming the field, before anything is queued. A
+        request the engine fails on while generating comes back finished with
+        ``finish_reason == "error"`` and ``error`` saying why; the other prompts are unaffected.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params or SamplingParams()
@@ -38,13 +43,30 @@ class LLM:
             raise
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
-                    bar.update()
-        bar.close()
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update()
+        except BaseException:  # an engine-wide fault (or Ctrl-C): leave the engine empty and usable
+            for rid in ids:
+                if rid not in done:
+                    self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
         return [done[i] for i in ids]
+
+    def close(self) -> None:
+        """Stops a sharded artifact's other ranks (also done at exit); the LLM cannot generate after."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None) -> RequestOutput:
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)

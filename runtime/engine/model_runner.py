@@ -1,6 +1,9 @@
 """Runs one scheduled step: builds the flattened inputs, one forward pass, the rows to sample.
 
 Owns the KV cache: one preallocated tensor for all layers and blocks, never grown or copied.
+A step is split in two so that tensor parallelism (runtime/parallel) can share it: ``prepare``
+turns the scheduled batch into ``StepInputs`` (tensors only; rank 0 broadcasts them as they are),
+and ``forward`` runs the model on them, the same code on every rank over its own KV cache.
 """
 
 from __future__ import annotations
@@ -21,6 +24,22 @@ def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) 
 
 
 @dataclass
+class StepInputs:
+    """What one step's forward pass needs, as int64 tensors: no Sequence objects, so it can travel."""
+    input_ids: torch.Tensor  # [T] the step's tokens, flattened over its sequences
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] the KV cache slot each token's K/V goes to
+    chunk_starts: torch.Tensor  # [P] first row of each prompt chunk
+    chunk_lengths: torch.Tensor  # [P] its tokens this step
+    chunk_contexts: torch.Tensor  # [P] its sequence's tokens in cache after this step
+    chunk_blocks: torch.Tensor  # [P, W] block tables covering those contexts, padded with block 0
+    decode_rows: torch.Tensor  # [D] rows of the single-token decodes
+    decode_blocks: torch.Tensor  # [D, W'] their block tables, padded with block 0
+    decode_lens: torch.Tensor  # [D] their context lengths
+    decode_kernel: bool = True  # the C++ paged decode kernel (False: gather + SDPA, the tuning's choice)
+
+
+@dataclass
 class StepOutput:
     sampled: list[Sequence]  # sequences that reached their last token: one new token each
     logits: torch.Tensor  # [len(sampled), vocab] float32
@@ -28,20 +47,31 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels):
-        """``kernels``: the KernelSet the model was loaded with (infer.kernels.resolver)."""
+    error: str | None = None  # set by a runner that can no longer step (a tensor-parallel rank died)
+    max_threads: int | None = None  # a cap on the tuning table's threads (ranks sharing the cores)
+
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None):
+        """``kernels``: the KernelSet the model was loaded with (infer.kernels.resolver); ``tuning``: a
+        runtime.tuning.Tuning for this machine, whose per-bucket choices (decode attention kernel,
+        threads) each step follows."""
         cfg = model.config
         self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
         self.chunk_kernel = kernels.chunk_attention
+        self.tuning = tuning
+        self.default_threads = torch.get_num_threads()
         self.model = model
         self.block_size = block_size
-        self.kv_cache = torch.empty(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+        # zeros, not torch.empty's stale memory (which can hold NaN: the SDPA paths weight padding and slots
+        # past a sequence's end by 0, and 0 x NaN would fail a request); writing it also touches every page
+        # now, at load, rather than during the first requests
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
                                     dtype=model.dtype)
 
-    def _context(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The scheduled batch as flattened tensors: tokens, positions, slots, chunks and decodes."""
         bs = self.block_size
         ids, positions, slots = [], [], []
-        prefills: list[PrefillChunk] = []
+        chunks, chunk_tables = [], []
         decode_rows, decode_tables, decode_lens = [], [], []
         row = 0
         for seq, n in zip(batch.seqs, batch.num_tokens):
@@ -57,19 +87,45 @@ class ModelRunner:
                 decode_tables.append(table[:-(-end // bs)])
                 decode_lens.append(end)
             else:
-                prefills.append(PrefillChunk(row, n, end, torch.tensor(table[:-(-end // bs)])))
+                chunks.append((row, n, end))
+                chunk_tables.append(table[:-(-end // bs)])
             row += n
-        width = max((len(t) for t in decode_tables), default=0)
-        blocks = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long).view(len(decode_tables), width)
-        ctx = PagedAttention(self.kv_cache, bs, torch.tensor(slots), prefills, torch.tensor(decode_rows, dtype=torch.long),
-                             blocks, torch.tensor(decode_lens, dtype=torch.long), self.decode_kernel, self.store_kv,
-                             self.chunk_kernel)
-        return torch.tensor(ids), torch.tensor(positions), ctx
+        decode_kernel = True
+        if self.tuning is not None and decode_rows and self.tuning.decode_attention(len(decode_rows)) == "torch-sdpa":
+            decode_kernel = False  # the table measured gather + SDPA faster at this many decodes
+        chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3)
+        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                          torch.tensor(slots, dtype=torch.long), chunk_info[:, 0], chunk_info[:, 1],
+                          chunk_info[:, 2], _padded(chunk_tables), torch.tensor(decode_rows, dtype=torch.long),
+                          _padded(decode_tables), torch.tensor(decode_lens, dtype=torch.long), decode_kernel)
+
+    def _context(self, inputs: StepInputs) -> PagedAttention:
+        bs = self.block_size
+        prefills = [PrefillChunk(start, length, context, inputs.chunk_blocks[i, :-(-context // bs)])
+                    for i, (start, length, context) in enumerate(zip(inputs.chunk_starts.tolist(),
+                                                                     inputs.chunk_lengths.tolist(),
+                                                                     inputs.chunk_contexts.tolist()))]
+        return PagedAttention(self.kv_cache, bs, inputs.slots, prefills, inputs.decode_rows, inputs.decode_blocks,
+                              inputs.decode_lens, self.decode_kernel if inputs.decode_kernel else None,
+                              self.store_kv, self.chunk_kernel)
+
+    def _threads(self, rows: int) -> None:
+        """The table's thread count for a step of this many rows (the process default without one)."""
+        want = (self.tuning.threads(rows) if self.tuning is not None else None) or self.default_threads
+        if self.max_threads is not None:
+            want = min(want, self.max_threads)
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over one step's inputs: final hidden states [T, hidden]. Every rank runs this."""
+        self._threads(len(inputs.input_ids))
+        return self.model(inputs.input_ids, inputs.positions, self._context(inputs))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        input_ids, positions, ctx = self._context(batch)
-        hidden = self.model(input_ids, positions, ctx)
+        hidden = self.forward(self.prepare(batch))
         rows, sampled = [], []
         prompt_logits = {}
         row = 0
@@ -83,3 +139,12 @@ class ModelRunner:
             row += n
         logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0)
         return StepOutput(sampled, logits, prompt_logits)
+
+    def close(self) -> None:
+        """Releases what the runner holds beyond memory (a tensor-parallel runner: its ranks)."""
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """Block tables as one [n, widest] tensor, padded with block 0."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)

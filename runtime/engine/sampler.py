@@ -4,11 +4,14 @@ Order: penalties on the raw logits, then greedy rows take the argmax; the others
 temperature, cut by top-k, top-p and min-p, and sampled by inverse CDF, which needs one uniform number per
 row: a seeded row draws it from its own generator, so its output does not depend on what else
 is in the batch.
+
+Rows are independent: a row whose logits are not finite (a kernel or model fault on that
+sequence) gets no token and is reported in ``SampleResult.errors``, so only its request fails.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +22,7 @@ from .sequence import Sequence
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict] | None  # per row: {"token_id", "logprob", "top": [(id, logprob), ...]} or None
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token (its token_ids entry is junk)
 
 
 def _column(seqs: list[Sequence], attr: str, default: float) -> torch.Tensor:
@@ -53,12 +57,13 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temp = _column(seqs, "temperature", 1.0)
     if (temp != 1.0).any():
         logits = logits / temp[:, None]
-    top_k = torch.tensor([s.params.top_k if s.params.top_k > 0 else logits.shape[1] for s in seqs])
+    vocab = logits.shape[1]
+    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs])
     top_p = _column(seqs, "top_p", 1.0)
     min_p = _column(seqs, "min_p", 0.0)
-    if (top_k < logits.shape[1]).any() or (top_p < 1.0).any():
+    if (top_k < vocab).any() or (top_p < 1.0).any():
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(logits.shape[1])[None, :]
+        rank = torch.arange(vocab)[None, :]
         drop = rank >= top_k[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p of the mass
@@ -91,20 +96,27 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     """logits: [B, vocab] float32, one row per sequence that produces a token this step."""
     raw = logits
     logits = apply_penalties(logits, seqs)
-    greedy = torch.tensor([s.params.greedy for s in seqs])
-    chosen = logits.argmax(-1)
+    best, chosen = logits.max(-1)
+    broken = ~torch.isfinite(best)  # NaN or infinity somewhere in the row: no token can be trusted
+    errors = {i: "the model's logits for this sequence are not finite (NaN or infinity)"
+              for i in broken.nonzero().flatten().tolist()}
+    greedy = torch.tensor([s.params.greedy for s in seqs]) | broken
     if not greedy.all():
         rows = (~greedy).nonzero().flatten()
         subset = [seqs[i] for i in rows.tolist()]
         probs = filter_logits(logits[rows], subset).softmax(-1)
         chosen[rows] = draw(probs, subset)
+        # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
+        for i in rows[~torch.isfinite(probs[:, 0])].tolist():
+            errors[i] = "this sequence's sampling parameters gave no valid distribution to sample from"
     token_ids = chosen.tolist()
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):
-        return SampleResult(token_ids, None)
+        return SampleResult(token_ids, None, errors)
     logprobs_all = raw.log_softmax(-1)
-    return SampleResult(token_ids, [None if w is None else token_logprobs(logprobs_all[i], token_ids[i], w)
-                                    for i, w in enumerate(want)])
+    logprobs = [None if w is None or i in errors else token_logprobs(logprobs_all[i], token_ids[i], w)
+                for i, w in enumerate(want)]
+    return SampleResult(token_ids, logprobs, errors)
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int) -> dict:

@@ -32,7 +32,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
-        self.in_flight_hashes: list[int] = []  # prompt blocks it is computing that others may wait for
+        self.in_flight_hashes: list[bytes] = []  # prefix-cache keys of prompt blocks it is computing (others may wait)
         self.finish_reason: str | None = None
         self.output_logprobs: list[dict] = []
         self.prompt_logprobs: list[dict | None] = [None] if params.prompt_logprobs is not None else []

@@ -14,16 +14,23 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..artifact import INDEX, ArtifactError, inside
 from .compressed_tensors import QuantWeight, is_quantized_config, read_quantized
 from .llama import ModelConfig, RotaryEmbedding, Transformer, linear_layout
 
 
 def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (one, or the shards its index names)."""
-    index = path / "model.safetensors.index.json"
+    """The safetensors files of a checkpoint directory (one, or the shards its index names).
+
+    For a plain directory only; an artifact's files come from its verified manifest
+    (``Artifact.weight_files()``). Either way no index entry may lead out of the directory."""
+    index = path / INDEX
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / n for n in names]
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()), key=str)
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise ArtifactError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+        return [inside(path, n, f"{INDEX} entry") for n in names]
     single = path / "model.safetensors"
     if single.exists():
         return [single]
@@ -33,7 +40,7 @@ def weight_files(path: Path) -> list[Path]:
 def read_state_dict(path: str | Path, files: list[Path] | None = None) -> dict[str, torch.Tensor]:
     """All tensors of a (possibly sharded) safetensors checkpoint, by HF name."""
     tensors: dict[str, torch.Tensor] = {}
-    for file in files or weight_files(Path(path)):
+    for file in files if files is not None else weight_files(Path(path)):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
                 tensors[name] = f.get_tensor(name)
@@ -96,17 +103,20 @@ def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto", hf_config: dict | None = None,
-               files: list[Path] | None = None) -> Transformer:
+               files: list[Path] | None = None, tuning=None, config: ModelConfig | None = None) -> Transformer:
     """Builds the model from an HF-format directory (config.json + safetensors).
 
     ``kernels``: a ``KernelSet`` from infer.kernels.resolver, a function of the compute dtype giving
     one, or a backend name for the resolver (``auto``: RMSNorm, rotary and SiLU through
     kernels/layer_ops and bfloat16 linears prepacked for AMX tiles or oneDNN, runtime/model/packed_linear.py;
     ``torch``: every step in plain torch ops). The choice changes speed and rounding, not the maths.
-    ``hf_config`` and ``files``: what a verified artifact already parsed and listed (else read here)."""
+    ``hf_config`` and ``files``: what a verified artifact already parsed and listed (else read here).
+    ``tuning``: a runtime.tuning.Tuning measured on this machine: its per-shape linear kernels.
+    ``config``: the model to build when it is not the checkpoint's own: a tensor-parallel rank's, with
+    its share of the heads and MLP channels (runtime/parallel/layers.py), loaded from its rank file."""
     path = Path(path)
     hf_config = hf_config if hf_config is not None else json.loads((path / "config.json").read_text())
-    cfg = ModelConfig.from_hf(hf_config)
+    cfg = config or ModelConfig.from_hf(hf_config)
     hf = read_state_dict(path, files)
     quantized = {}
     if hf_config.get("quantization_config"):  # compressed-tensors: quantized linears keep their packed weights
@@ -148,6 +158,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     if dtype == torch.bfloat16 and kernels.linear_kernel(dtype) != "torch":
         from .packed_linear import pack_linears
 
-        pack_linears(model, kernels.amx_linear, kernels.onednn_linear)
+        pack_linears(model, kernels.amx_linear, kernels.onednn_linear,
+                     (lambda i, o: tuning.linear(i, o, dtype)) if tuning is not None else None)
     model.kernels = kernels
     return model.eval().requires_grad_(False)

@@ -52,23 +52,35 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={kernel}"
 
 
-def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True) -> int:
-    """Swaps the decoder layers' plain bfloat16 ``nn.Linear``s for PackedLinears; returns how many.
+def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None) -> int:
+    """Swaps the model's plain bfloat16 ``nn.Linear``s for PackedLinears; returns how many.
 
     ``amx``: kernels.amx_linear's module (the kernel resolver's choice), or None for oneDNN's layout
-    (where ``onednn_ok``). With ``amx`` the LM head is packed too, when its shape fits: the
-    embedding keeps its own plain copy for lookups. oneDNN's layout gains nothing there."""
+    (where ``onednn_ok``). By default decoder linears take AMX where the shape fits, else oneDNN;
+    the LM head takes AMX where it fits (a copy: the embedding keeps its plain weight for lookups)
+    and stays plain otherwise, since oneDNN's layout gains nothing there. ``choose(in, out)``: a
+    tuning table's kernel for a shape (amx | onednn | torch), used where this machine can run it."""
+    def kernel_for(linear: nn.Linear, default: str) -> str:
+        wanted = choose(linear.in_features, linear.out_features) if choose else None
+        can = {"amx": amx is not None and amx_linear.fits(linear.weight), "onednn": onednn_ok, "torch": True}
+        return wanted if wanted and can.get(wanted) else default
+
+    def packed(linear: nn.Linear, default: str) -> nn.Module:
+        kernel = kernel_for(linear, default)
+        return linear if kernel == "torch" else PackedLinear(linear, amx if kernel == "amx" else None)
+
     count = 0
+    fits = lambda m: amx is not None and amx_linear.fits(m.weight)  # noqa: E731
     for layer in model.layers:
         for name, module in list(layer.named_modules()):
-            if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16 and \
-                    (amx is not None and amx_linear.fits(module.weight) or onednn_ok):
-                parent, _, attr = name.rpartition(".")
-                setattr(layer.get_submodule(parent) if parent else layer, attr, PackedLinear(module, amx))
-                count += 1
+            if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
+                new = packed(module, "amx" if fits(module) else "onednn" if onednn_ok else "torch")
+                if new is not module:
+                    parent, _, attr = name.rpartition(".")
+                    setattr(layer.get_submodule(parent) if parent else layer, attr, new)
+                    count += 1
     head = model.lm_head
-    if amx is not None and type(head) is nn.Linear and head.weight.dtype == torch.bfloat16 \
-            and amx_linear.fits(head.weight):
-        model.lm_head = PackedLinear(head, amx)
-        count += 1
+    if type(head) is nn.Linear and head.weight.dtype == torch.bfloat16:
+        model.lm_head = packed(head, "amx" if fits(head) else "torch")
+        count += model.lm_head is not head
     return count

@@ -11,8 +11,9 @@ CPU backends here, fastest first:
   activation order handled by permuting the weight's columns at load and the input at run time);
 - ``cpu-int8-weight``: ``aten._weight_int8pack_mm`` (int8 per-channel symmetric, 16-bit activations);
 - ``cpu-w8a8``: dynamic per-token int8 activations and ``torch._int_mm`` (int32 accumulation);
-- ``cpu-fp8``: per-token fp8 activations; fp8 codes multiplied as bfloat16 (exact widening), since
-  this torch's CPU ``_scaled_mm`` is a slow reference path;
+- ``cpu-fp8``: per-token fp8 activations; fp8 codes multiplied widened to the compute dtype (exact
+  widening; float32 sums in a float32 model), since this torch's CPU ``_scaled_mm`` is a slow
+  reference path;
 - ``dequant``: everything else, dequantizing one layer's weight per call (never the whole model).
 Activation quantization follows compressed-tensors exactly (scale = absmax / (range/2), round,
 clamp), so the runtime computes what transformers' decompressing forward computes.
@@ -160,26 +161,32 @@ class W8A8Linear(QuantLinear):
 
 
 class FP8Linear(QuantLinear):
-    """fp8 e4m3 weights and per-token fp8 activations, multiplied as bfloat16 codes.
+    """fp8 e4m3 weights and per-token (or static) fp8 activations, multiplied as widened codes.
 
     This torch's CPU ``_scaled_mm`` is a slow reference path (measured ~15x slower than the dense
     float32 matmul), and converting fp8 to float per call is slower still. Every e4m3 value is exactly
-    a bfloat16 value, so the weight's codes are widened once at load to bfloat16 (half the bytes of
-    float32, exact), activations are quantized to fp8 per token exactly as compressed-tensors does
-    and widened the same way, and the product of codes runs on the bfloat16 matmul (AMX where
-    present, float32 accumulation) before the two scales are applied."""
+    a bfloat16 (and float32) value, so the weight's codes are widened once at load, activations are
+    quantized to fp8 per token exactly as compressed-tensors does and widened the same way, and the
+    product of codes (exact: 4 significant bits each) is summed by a dense matmul before the two
+    scales are applied.
+
+    The codes are widened to the model's compute dtype: in a float32 model to float32, so the sums
+    are float32 as the declared scheme computes them (a bfloat16 matmul returns its float32 sums
+    rounded to bfloat16, a 2^-9 relative error per output, which test_quant_runtime's float64
+    emulation caught); in a bfloat16 model to bfloat16 (half the bytes, the model's own rounding)."""
     backend = "cpu-fp8"
 
     def __init__(self, w: QuantWeight, bias, dtype):
         super().__init__(w, bias, dtype)
         self.args = w.inputs
-        self.register_buffer("weight_codes", w.q.to(torch.bfloat16).contiguous(), persistent=False)  # [N, K]
+        self.codes_dtype = torch.float32 if dtype == torch.float32 else torch.bfloat16
+        self.register_buffer("weight_codes", w.q.to(self.codes_dtype).contiguous(), persistent=False)  # [N, K]
         self.register_buffer("wscale", w.scale.reshape(1, -1).float().contiguous(), persistent=False)
         self.register_buffer("input_scale", w.input_scale, persistent=False)
 
     def matmul(self, x):
         xq, xs = quantize_activations(x, self.args, self.input_scale)
-        acc = torch.nn.functional.linear(xq.to(torch.bfloat16), self.weight_codes)
+        acc = torch.nn.functional.linear(xq.to(self.codes_dtype), self.weight_codes)
         return (acc.float() * (xs * self.wscale)).to(x.dtype)
 
 

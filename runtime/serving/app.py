@@ -2,8 +2,11 @@
 
 Endpoints: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
 ``/health``, ``/metrics`` (Prometheus), ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (what
-lm-eval's remote tokenizer asks for), ``/version``. A route finds the server's ``State`` on
-``request.app.state.server``.
+lm-eval's remote tokenizer asks for), ``/version``, ``/openapi.json``. A route finds the server's
+``State`` on ``request.app.state.server``.
+
+A request body is read here, then parsed, validated and tokenized in a worker thread
+(``asyncio.to_thread``): a long prompt or chat template never holds up other requests or ``/health``.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .engine_loop import load_engine
 from .guard import Guard
-from .protocol import APIError, GenRequest, chat_messages, new_id, parse_chat, parse_completion, parse_json_body
+from .protocol import (APIError, GenRequest, new_id, parse_chat, parse_completion, parse_detokenize, parse_json_body,
+                       parse_tokenize, request_body_schemas)
 from .responses import Generation
 
 log = logging.getLogger("infer.server")
@@ -35,8 +39,8 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-async def read_body(request: Request) -> dict:
-    """The JSON body, read in chunks so that one over ``--max-body`` stops at the limit."""
+async def read_body(request: Request) -> bytes:
+    """The raw body, read in chunks so that one over ``--max-body`` stops at the limit."""
     limit = _state(request).config.max_body
     chunks, size = [], 0
     try:
@@ -49,17 +53,26 @@ async def read_body(request: Request) -> dict:
         raise
     except Exception:  # the client went away while sending
         raise APIError(400, "the request body could not be read", code="bad_request") from None
-    return parse_json_body(b"".join(chunks))
+    return b"".join(chunks)
+
+
+async def parsed(request: Request, parse):
+    """``parse(json_body, model_info)`` on the body, in a worker thread: JSON decoding, validation,
+    chat templating and tokenization all stay off the event loop."""
+    state = _state(request)
+    state.require_ready()
+    raw = await read_body(request)
+    return await asyncio.to_thread(lambda: parse(parse_json_body(raw), state.info))
 
 
 # ------------------------------------------------------------------ plain endpoints
 async def health(request: Request):
     state = _state(request)
-    if state.ready and not state.draining:
+    error = state.load_error or state.engine_error
+    if state.ready and not state.draining and not error:
         return {"status": "ok"}
-    status = "draining" if state.draining else ("failed" if state.load_error else "loading")
-    return JSONResponse({"status": status, **({"error": state.load_error} if state.load_error else {})},
-                        status_code=503)
+    status = "draining" if state.draining else ("failed" if error else "loading")
+    return JSONResponse({"status": status, **({"error": error} if error else {})}, status_code=503)
 
 
 async def version(request: Request):
@@ -107,54 +120,23 @@ async def tokenizer_info(request: Request):
 
 
 async def tokenize(request: Request):
-    state = _state(request)
-    state.require_ready()
-    body = await read_body(request)
-    tok = state.engine.tokenizer
-    add_special = body.get("add_special_tokens", False)
-    if not isinstance(add_special, bool):
-        raise APIError(400, "add_special_tokens must be true or false", param="add_special_tokens")
-    if "messages" in body:
-        try:
-            text = tok.apply_chat_template(chat_messages(body["messages"]),
-                                           add_generation_prompt=body.get("add_generation_prompt", True) is not False)
-        except APIError:
-            raise
-        except Exception as e:
-            raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
-    elif isinstance(body.get("prompt"), str):
-        text = body["prompt"]
-    else:
-        raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
-    ids = tok.encode(text, add_special_tokens=add_special)
-    return {"tokens": ids, "count": len(ids), "max_model_len": state.info.max_request_tokens}
+    return await parsed(request, parse_tokenize)
 
 
 async def detokenize(request: Request):
-    state = _state(request)
-    state.require_ready()
-    body = await read_body(request)
-    ids = body.get("tokens")
-    vocab = state.info.vocab_size
-    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab
-                                            for t in ids):
-        raise APIError(400, f"tokens must be a list of token ids in [0, {vocab})", param="tokens")
-    return {"prompt": state.engine.tokenizer.decode(ids, skip_special_tokens=False)}
+    def run(body, info):
+        return {"prompt": info.tokenizer.decode(parse_detokenize(body, info), skip_special_tokens=False)}
+
+    return await parsed(request, run)
 
 
 # ------------------------------------------------------------------ generation
 async def completions(request: Request):
-    state = _state(request)
-    state.require_ready()
-    body = await read_body(request)
-    return await generate(request, parse_completion(body, state.info))
+    return await generate(request, await parsed(request, parse_completion))
 
 
 async def chat_completions(request: Request):
-    state = _state(request)
-    state.require_ready()
-    body = await read_body(request)
-    return await generate(request, parse_chat(body, state.info))
+    return await generate(request, await parsed(request, parse_chat))
 
 
 def _retry_after(state, waiting: int) -> int:
@@ -165,6 +147,8 @@ def _retry_after(state, waiting: int) -> int:
 
 
 async def generate(request: Request, req: GenRequest):
+    """Queues a parsed request's sequences. They count against ``--max-queue`` together (one
+    request never fans out past it: protocol refuses that with a 400); an idle server takes any."""
     state = _state(request)
     runner = state.loop_runner
     mq = state.config.max_queue
@@ -201,6 +185,36 @@ ROUTES = [("/health", health, "GET"), ("/ping", health, "GET"), ("/version", ver
           ("/v1/chat/completions", chat_completions, "POST")]
 
 
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+ERROR_RESPONSES = {status: {"description": why, "content": {"application/json": {"schema": _ERROR_SCHEMA}}}
+                   for status, why in [(400, "invalid request: param names the field, the message the allowed range"),
+                                       (401, "missing or wrong API key"), (404, "unknown path or model"),
+                                       (413, "body over --max-body"), (429, "over --max-queue; see Retry-After"),
+                                       (503, "loading or shutting down")]}
+
+
+def openapi_schema(app: FastAPI, state) -> dict:
+    """FastAPI's schema of the routes, with each POST body described from protocol's bounds (the
+    loaded model's limits included, so it is cached only once the model is loaded)."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title="infer", version=state.version, routes=app.routes,
+                         description=f"OpenAI-compatible API serving {state.name} {state.version}. Every bound "
+                                     f"on a request body is listed here; past one, a 400 names the field.")
+    for path, body in request_body_schemas(state.info).items():
+        schema["paths"][path]["post"]["requestBody"] = {"required": True,
+                                                        "content": {"application/json": {"schema": body}}}
+    schema["paths"]["/v1/models/{model_id}"]["get"]["responses"].pop("422", None)  # bad input is a 400 here
+    if state.info is not None:
+        app.openapi_schema = schema
+    return schema
+
+
 def build_app(state):
     """The ASGI app serving ``state`` (a server.State): the routes behind the Guard."""
     @contextlib.asynccontextmanager
@@ -211,11 +225,14 @@ def build_app(state):
         yield
         if state.loop_runner is not None:
             state.loop_runner.stop()
+        if state.engine is not None:
+            state.engine.close()  # a sharded artifact's other ranks
 
-    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="infer", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.server = state
     for path, fn, method in ROUTES:
-        app.add_api_route(path, fn, methods=[method])
+        app.add_api_route(path, fn, methods=[method], responses=ERROR_RESPONSES)
+    app.openapi = lambda: openapi_schema(app, state)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):

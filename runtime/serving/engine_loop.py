@@ -4,6 +4,10 @@ The engine is synchronous; it runs in its own thread, which takes commands (add,
 queue between steps, steps while there is work, and hands each output to its request handler's
 asyncio queue with ``loop.call_soon_threadsafe``. The engine thread never waits on a client: a
 slow reader only lets its own queue grow, and the batch keeps stepping.
+
+A request the engine fails alone arrives as an output with finish_reason "error" (see
+``LLMEngine.step``). A step that raises outside any request's work fails every request in flight
+with a 500 error object each, leaves the engine empty and consistent, and the loop goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+
+from .protocol import APIError
 
 log = logging.getLogger("infer.server")
 
@@ -121,7 +127,8 @@ class EngineLoop:
                     self.engine.add_request(rid, ids, params)
                     self._tracks[rid] = _Track(rid, queue, arrival, len(ids))
                 except Exception as e:  # validated before, so this is rare: hand it to the handler
-                    self._deliver(queue, e)
+                    param = str(e).split("=", 1)[0] if "=" in str(e)[:40] else None
+                    self._deliver(queue, APIError(400, str(e), param=param))
                 finally:
                     with self._lock:
                         self._pending_adds -= 1
@@ -193,13 +200,15 @@ class EngineLoop:
             try:
                 outputs = engine.step()
             except Exception as e:  # an engine bug must not take the server down: fail the requests in flight
-                log.exception("engine step failed; aborting %d request(s)", len(self._tracks))
+                log.exception("engine step failed outside any one request; failing %d request(s)", len(self._tracks))
                 self.error = e
                 for rid, track in list(self._tracks.items()):
                     self._tracks.pop(rid, None)
                     with contextlib.suppress(Exception):
                         engine.abort_request(rid)
-                    self._deliver(track.queue, RuntimeError(f"engine error: {type(e).__name__}: {e}"))
+                    self.metrics.finished("error")
+                    self._deliver(track.queue, APIError(500, f"engine error: {type(e).__name__}: {e}",
+                                                        type="server_error", code="engine_error"))
                 continue
             at = time.monotonic()
             for out in outputs:
@@ -217,7 +226,7 @@ class EngineLoop:
 def load_engine(state, loop: asyncio.AbstractEventLoop) -> None:
     """Loader thread: builds the engine, then starts its loop; /health turns ready at the end."""
     from ..engine.engine import LLMEngine
-    from .protocol import ModelInfo, TokenText
+    from .protocol import ModelInfo, TokenText, fan_out_limit
 
     try:
         t0 = time.monotonic()
@@ -225,7 +234,7 @@ def load_engine(state, loop: asyncio.AbstractEventLoop) -> None:
         state.engine = engine
         state.kernels = engine.kernels.describe(engine.model.dtype)
         state.info = ModelInfo(state.name, state.version, engine.max_request_tokens, engine.model.config.vocab_size,
-                               engine.tokenizer)
+                               engine.tokenizer, fan_out_limit(state.config.max_queue))
         state.token_text = TokenText(engine.tokenizer)
         runner = EngineLoop(engine, loop, state.metrics, state.config.log_requests)
         state.loop_runner = runner

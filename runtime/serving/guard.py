@@ -11,7 +11,7 @@ from .protocol import APIError
 class Guard:
     """Outermost ASGI layer: API key, body size by Content-Length. Pure ASGI so streaming is untouched."""
 
-    OPEN_PATHS = {"/health", "/metrics", "/version", "/ping"}
+    OPEN_PATHS = {"/health", "/metrics", "/version", "/ping", "/openapi.json"}
 
     def __init__(self, app, state):
         self.app = app

@@ -85,9 +85,10 @@ class ServerMetrics:
                                      L, registry=r).labels(model_name)
         self.generation_tokens = Counter("infer:generation_tokens", "Tokens generated.",
                                          L, registry=r).labels(model_name)
-        self._success = Counter("infer:request_success", "Finished requests, by finish reason (stop, length, abort).",
+        self._success = Counter("infer:request_success",
+                                "Finished requests, by finish reason (stop, length, abort, error).",
                                 L + ["finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort"):
+        for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)
         self._rejected = Counter("infer:request_rejected", "Requests refused before reaching the engine, by reason.",
                                  L + ["reason"], registry=r)

@@ -1,8 +1,12 @@
 """The OpenAI wire format: request bodies checked field by field, responses and stream chunks built.
 
 Validation is explicit rather than schema-driven so that every refusal is a 400 whose ``param``
-names the offending field, as the OpenAI API does. Nothing here touches the engine's state: it
-needs only a tokenizer, the context limit and the vocabulary size (see ``ModelInfo``).
+names the offending field and says the allowed range, as the OpenAI API does. Every bound is
+checked here before anything is tokenized or queued; the sampling bounds are the engine's own
+(``engine/sampling_params.py``), and the OpenAPI schema of the request bodies
+(``request_body_schemas``) is built from the same objects, so the schema and the 400s cannot
+drift apart. Nothing here touches the engine's state: it needs only a tokenizer, the context
+limit, the vocabulary size and the server's fan-out limit (see ``ModelInfo``).
 """
 
 from __future__ import annotations
@@ -13,10 +17,16 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine.sampling_params import SamplingParams
+from ..engine.sampling_params import (FLOAT_BOUNDS, LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                      SEED, TOKEN_ID, Range, SamplingParams)
 
-MAX_N = 64
-_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+MAX_N = 64  # n and best_of
+N = Range(1, MAX_N, integer=True)
+MAX_PROMPTS = 256  # prompts in one completions request
+MAX_CHOICES = 256  # prompts x n: the sequences one request fans out to (and never more than --max-queue)
+MAX_MESSAGES = 1024
+CHARS_PER_TOKEN = 32  # a prompt longer than this many characters per token of the context is refused untokenized
+MAX_DETOKENIZE = 65536  # token ids in one /detokenize call
 
 
 class APIError(Exception):
@@ -36,8 +46,8 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def bad(param: str, why: str) -> APIError:
-    return APIError(400, f"{param}: {why}" if not why.startswith(param) else why, param=param)
+def bad(param: str, why: str, code: str | None = None) -> APIError:
+    return APIError(400, f"{param}: {why}" if not why.startswith(param) else why, param=param, code=code)
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -50,6 +60,14 @@ def parse_json_body(raw: bytes) -> dict:
         raise APIError(400, f"the request body is not valid JSON: {str(e)[:200]}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if b"\\u" in raw or b"\xed" in raw:  # the only ways a lone UTF-16 surrogate gets in, which no reply could encode
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "the request body holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                           "without its pair); send valid Unicode", code="invalid_json") from None
+        except RecursionError:
+            raise APIError(400, "the request body is nested too deeply", code="invalid_json") from None
     return body
 
 
@@ -59,27 +77,39 @@ def _is_int(v) -> bool:
 
 
 def _is_num(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A finite JSON number (an integer of any size counts; comparing it with a float bound is exact)."""
+    return _is_int(v) or (isinstance(v, float) and math.isfinite(v))
 
 
-def _int(body: dict, name: str, lo: int | None = None, hi: int | None = None):
+def _kind(v) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(v), type(v).__name__)
+
+
+def _shown(v) -> str:
+    text = json.dumps(v) if not isinstance(v, float) else repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _int(body: dict, name: str, rng: Range, allowed: str | None = None):
     v = body.get(name)
     if v is None:
         return None
     if not _is_int(v):
-        raise bad(name, f"must be an integer, got {type(v).__name__}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise bad(name, f"{v} is out of range {rng}")
+        raise bad(name, f"must be an integer, got {_kind(v)}")
+    if v not in rng:
+        raise bad(name, f"{_shown(v)} is out of range: must be {allowed or rng}")
     return v
 
 
-def _num(body: dict, name: str):
+def _num(body: dict, name: str, rng: Range):
     v = body.get(name)
     if v is None:
         return None
     if not _is_num(v):
-        raise bad(name, f"must be a finite number, got {type(v).__name__}")
+        raise bad(name, f"must be a finite number, got {_kind(v)}")
+    if v not in rng:
+        raise bad(name, f"{_shown(v)} is out of range: must be {rng}")
     return float(v)
 
 
@@ -88,7 +118,7 @@ def _bool(body: dict, name: str):
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise bad(name, f"must be true or false, got {type(v).__name__}")
+        raise bad(name, f"must be true or false, got {_kind(v)}")
     return v
 
 
@@ -98,27 +128,37 @@ def _stop(body: dict) -> list[str]:
         return []
     if isinstance(v, str):
         v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-        raise bad("stop", "must be a non-empty string or a list of non-empty strings")
-    if len(v) > 16:
-        raise bad("stop", f"at most 16 stop strings, got {len(v)}")
+    if not isinstance(v, list):
+        raise bad("stop", "must be a string or a list of strings")
+    if len(v) > MAX_STOP_STRINGS:
+        raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
+    if not all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_LENGTH for s in v):
+        raise bad("stop", f"each stop string must be a string of 1 to {MAX_STOP_LENGTH} characters")
     return v
 
 
-def _int_list(body: dict, name: str) -> list[int] | None:
+def _token_ids(body: dict, name: str, info: "ModelInfo", most: int) -> list[int] | None:
     v = body.get(name)
     if v is None:
         return None
-    if not isinstance(v, list) or not all(_is_int(t) and t >= 0 for t in v):
-        raise bad(name, "must be a list of non-negative integers")
+    if not isinstance(v, list) or len(v) > most:
+        raise bad(name, f"must be a list of at most {most} token ids")
+    if not all(_is_int(t) and 0 <= t < info.vocab_size for t in v):
+        raise bad(name, f"must be token ids in [0, {info.vocab_size - 1}]")
     return v
 
 
-def _unsupported(body: dict, name: str, ok) -> None:
+def _unsupported(body: dict, name: str, ok, instead: str) -> None:
     v = body.get(name)
     if v is not None and not ok(v):
-        raise APIError(400, f"{name}={json.dumps(v)[:80]} is not supported by this server", param=name,
+        raise APIError(400, f"{name}={_shown(v)} is not supported by this server; {instead}", param=name,
                        code="unsupported_parameter")
+
+
+def _typed(body: dict, name: str, kind: type, what: str) -> None:
+    v = body.get(name)
+    if v is not None and (not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+        raise bad(name, f"must be {what}, got {_kind(v)}")
 
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
@@ -129,27 +169,45 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "logprobs", "echo", "best_of"
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
                          "add_generation_prompt", "modalities"}
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
+DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
-def _check_known(body: dict, known: set[str]) -> None:
-    unknown = sorted(set(body) - known)
+def check_known(body: dict, known: set[str]) -> None:
+    unknown = sorted(set(body) - known, key=str)
     if unknown:
-        raise APIError(400, f"unknown parameter {unknown[0]!r}", param=unknown[0], code="unknown_parameter")
+        raise APIError(400, f"unknown parameter {_shown(unknown[0])}; known: {', '.join(sorted(known))}",
+                       param=unknown[0], code="unknown_parameter")
 
 
 # ----------------------------------------------------------------------------------- requests
 @dataclass
 class ModelInfo:
-    """What request parsing needs from the model: names, limits, and the tokenizer."""
+    """What request parsing needs from the model and the server: names, limits, and the tokenizer."""
     name: str
     version: str
     max_request_tokens: int  # prompt + output
     vocab_size: int
     tokenizer: object
+    max_choices: int = MAX_CHOICES  # sequences one request may fan out to: min(MAX_CHOICES, --max-queue)
 
     @property
     def ids(self) -> set[str]:
         return {self.name, f"{self.name}-{self.version}", f"{self.name}:{self.version}"}
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Longest prompt text tokenized at all; a longer one could not fit the context anyway."""
+        return CHARS_PER_TOKEN * self.max_request_tokens
+
+    @property
+    def top_k(self) -> Range:
+        return Range(-1, self.vocab_size, integer=True)
+
+
+def fan_out_limit(max_queue: int) -> int:
+    """The most sequences one request may fan out to on a server with this ``--max-queue``."""
+    return MAX_CHOICES if max_queue < 0 else max(1, min(MAX_CHOICES, max_queue))
 
 
 @dataclass
@@ -175,7 +233,7 @@ class GenRequest:
 def _check_model(body: dict, info: ModelInfo) -> None:
     model = body.get("model")
     if model is not None and (not isinstance(model, str) or model not in info.ids):
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {info.name!r} "
+        raise APIError(404, f"the model {_shown(model)} does not exist; this server serves {info.name!r} "
                        f"(version {info.version})", type="invalid_request_error", param="model",
                        code="model_not_found")
 
@@ -188,29 +246,35 @@ def _stream_opts(body: dict, stream: bool) -> bool:
         raise bad("stream_options", "must be an object such as {\"include_usage\": true}")
     if not stream:
         raise bad("stream_options", "is only allowed when stream is true")
-    v = opts.get("include_usage", False)
-    if not isinstance(v, bool):
-        raise bad("stream_options", "include_usage must be true or false")
-    return v
+    if not all(isinstance(v, bool) for v in opts.values()):
+        raise bad("stream_options", "include_usage and continuous_usage_stats must be true or false")
+    return opts.get("include_usage", False)
 
 
-def _sampling(body: dict, kind: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
-              seed: int | None) -> SamplingParams:
-    values = {"max_tokens": max_tokens, "stop": _stop(body)}
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        v = _num(body, name)
+def _sampling_values(body: dict, info: ModelInfo) -> dict:
+    """Every sampling field of the body, checked against its bound (the engine's own)."""
+    values = {"stop": _stop(body)}
+    for name, rng in FLOAT_BOUNDS.items():
+        v = _num(body, name, rng)
         if v is not None:
             values[name] = v
-    top_k = _int(body, "top_k")
+    top_k = _int(body, "top_k", info.top_k, allowed=f"-1 or 0 (off), or an integer in [1, {info.vocab_size}] "
+                                                     f"(the vocabulary size)")
     if top_k is not None:
         values["top_k"] = -1 if top_k == 0 else top_k  # 0 is "off" in some clients
     for name in ("ignore_eos", "skip_special_tokens"):
         v = _bool(body, name)
         if v is not None:
             values[name] = v
-    stop_ids = _int_list(body, "stop_token_ids")
+    stop_ids = _token_ids(body, "stop_token_ids", info, MAX_STOP_TOKEN_IDS)
     if stop_ids is not None:
         values["stop_token_ids"] = stop_ids
+    return values
+
+
+def _sampling(values: dict, kind: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+              seed: int | None) -> SamplingParams:
+    values = {**values, "max_tokens": max_tokens}
     if logprobs is not None:
         values["logprobs"] = logprobs
     if prompt_logprobs is not None:
@@ -219,25 +283,36 @@ def _sampling(body: dict, kind: str, max_tokens: int, logprobs: int | None, prom
         values["seed"] = seed
     try:
         return SamplingParams.from_dict(values)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # checked above already: only a bound missing here gets this far
         msg = str(e)
         name = msg.split("=", 1)[0].strip() if "=" in msg else None
         if kind == "chat" and name == "logprobs":
             name = "top_logprobs"
-        raise APIError(400, msg, param=name if name in body or name in values else None) from None
+        raise APIError(400, msg, param=name if name in values else None) from None
+
+
+def _context_exceeded(param: str, what: str, info: ModelInfo) -> APIError:
+    return APIError(400, f"{param} is {what}, over this server's context limit of {info.max_request_tokens} tokens "
+                    f"(prompt and output together); shorten it", param=param, code="context_length_exceeded")
 
 
 def _limits(info: ModelInfo, ids: list[int], param: str) -> None:
     if not ids:
         raise bad(param, "is empty: give at least one token")
     if len(ids) >= info.max_request_tokens:
-        raise APIError(400, f"{param} is {len(ids)} tokens, over this server's context limit of "
-                       f"{info.max_request_tokens} tokens (prompt and output together); shorten it",
-                       param=param, code="context_length_exceeded")
+        raise _context_exceeded(param, f"{len(ids)} tokens", info)
+
+
+def _check_chars(info: ModelInfo, chars: int, param: str) -> None:
+    """Refuses, before tokenizing, text that cannot fit the context at any plausible tokenization."""
+    if chars > info.max_prompt_chars:
+        raise APIError(400, f"{param} is {chars} characters, over the {info.max_prompt_chars} characters this server "
+                       f"tokenizes at most ({CHARS_PER_TOKEN} per token of its context limit of "
+                       f"{info.max_request_tokens} tokens); shorten it", param=param, code="context_length_exceeded")
 
 
 def _max_tokens(body: dict, name: str, default: int | None, info: ModelInfo, prompt_len: int, allow_zero: bool) -> int:
-    v = _int(body, name, 0 if allow_zero else 1)
+    v = _int(body, name, Range(0 if allow_zero else 1, info.max_request_tokens - 1, integer=True))
     room = info.max_request_tokens - prompt_len
     if v is None:
         return room if default is None else min(default, room)
@@ -248,10 +323,27 @@ def _max_tokens(body: dict, name: str, default: int | None, info: ModelInfo, pro
     return v
 
 
+def _check_max_tokens_bound(body: dict, names: tuple[str, ...], info: ModelInfo, lo: int) -> None:
+    """max_tokens within what any prompt leaves of the context, checked before tokenizing."""
+    ctx = info.max_request_tokens
+    for name in names:
+        _int(body, name, Range(lo, ctx - 1, integer=True),
+             allowed=f"an integer in [{lo}, {ctx - 1}]: prompt and output together fit the context limit "
+                     f"of {ctx} tokens")
+
+
 def _n_and_seed(body: dict):
-    n = _int(body, "n", 1, MAX_N) or 1
-    seed = _int(body, "seed", _SEED_MIN, _SEED_MAX)
+    n = _int(body, "n", N) or 1
+    seed = _int(body, "seed", SEED)
     return n, seed
+
+
+def _check_fan_out(info: ModelInfo, prompts: int, n: int) -> None:
+    if prompts * n > info.max_choices:
+        param = "n" if n > 1 else "prompt"
+        raise APIError(400, f"this request fans out to {prompts} prompt(s) x n={n} = {prompts * n} sequences; this "
+                       f"server takes at most {info.max_choices} per request (the smaller of {MAX_CHOICES} and "
+                       f"--max-queue); send fewer prompts or a smaller n", param=param, code="too_many_sequences")
 
 
 def _choice_seed(seed: int | None, i: int) -> int | None:
@@ -260,8 +352,10 @@ def _choice_seed(seed: int | None, i: int) -> int | None:
     return (seed + i) % (1 << 63)
 
 
-def tokenize_prompts(prompt, info: ModelInfo) -> tuple[list[list[int]], list[str | None]]:
-    """A completions ``prompt``: a string, a list of strings, a list of ids, or a list of id lists."""
+def tokenize_prompts(prompt, info: ModelInfo, n: int = 1) -> tuple[list[list[int]], list[str | None]]:
+    """A completions ``prompt``: a string, a list of strings, a list of ids, or a list of id lists.
+
+    Count, fan-out, length and token ids are checked before any text is tokenized."""
     tok = info.tokenizer
 
     def ids_ok(ids):
@@ -275,39 +369,51 @@ def tokenize_prompts(prompt, info: ModelInfo) -> tuple[list[list[int]], list[str
         items = prompt
     else:
         raise bad("prompt", "must be a string, a list of strings, a list of token ids or a list of such lists")
-    if len(items) > 256:
-        raise bad("prompt", f"at most 256 prompts per request, got {len(items)}")
+    if len(items) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(items)}")
+    _check_fan_out(info, len(items), n)
+    for p in items:
+        if isinstance(p, str):
+            if not p:
+                raise bad("prompt", "is empty: give at least one token")
+            _check_chars(info, len(p), "prompt")
+        else:
+            _limits(info, p, "prompt")
+            badid = next((t for t in p if not 0 <= t < info.vocab_size), None)
+            if badid is not None:
+                raise bad("prompt", f"token id {_shown(badid)} is outside the vocabulary [0, {info.vocab_size})")
     ids, texts = [], []
     for p in items:
         if isinstance(p, str):
             ids.append(tok.encode(p))
             texts.append(p)
         else:
-            badid = next((t for t in p if not 0 <= t < info.vocab_size), None)
-            if badid is not None:
-                raise bad("prompt", f"token id {badid} is outside the vocabulary [0, {info.vocab_size})")
             ids.append(list(p))
             texts.append(None)
     return ids, texts
 
 
 def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
-    _check_known(body, COMPLETION_FIELDS)
+    check_known(body, COMPLETION_FIELDS)
     _check_model(body, info)
     if "prompt" not in body:
         raise bad("prompt", "is required")
-    _unsupported(body, "suffix", lambda v: v == "")
-    _unsupported(body, "logit_bias", lambda v: v == {})
+    _unsupported(body, "suffix", lambda v: v == "", "leave it out")
+    _unsupported(body, "logit_bias", lambda v: v == {}, "leave it out (or send {})")
+    _typed(body, "user", str, "a string")
     stream = bool(_bool(body, "stream"))
     include_usage = _stream_opts(body, stream)
     echo = bool(_bool(body, "echo"))
-    logprobs = _int(body, "logprobs", 0, 20)
-    prompt_logprobs = _int(body, "prompt_logprobs", 0, 20)
+    logprobs = _int(body, "logprobs", LOGPROBS)
+    prompt_logprobs = _int(body, "prompt_logprobs", LOGPROBS)
     n, seed = _n_and_seed(body)
-    best_of = _int(body, "best_of", 1)
+    best_of = _int(body, "best_of", N)
     if best_of is not None and best_of != n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of", code="unsupported_parameter")
-    prompts, texts = tokenize_prompts(body["prompt"], info)
+        raise APIError(400, f"best_of={best_of} with n={n}: best_of other than n is not supported; leave it out",
+                       param="best_of", code="unsupported_parameter")
+    values = _sampling_values(body, info)
+    _check_max_tokens_bound(body, ("max_tokens",), info, 0 if echo else 1)
+    prompts, texts = tokenize_prompts(body["prompt"], info, n)
     for ids in prompts:
         _limits(info, ids, "prompt")
     if echo and logprobs is not None:
@@ -318,7 +424,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
         if mt == 0:
             discard, mt = True, 1
         for i in range(n):
-            params.append(_sampling(body, "completion", mt, logprobs, prompt_logprobs, _choice_seed(seed, i)))
+            params.append(_sampling(values, "completion", mt, logprobs, prompt_logprobs, _choice_seed(seed, i)))
     return GenRequest("completion", prompts, texts, params, n, stream, include_usage, echo=echo,
                       logprobs=logprobs, discard_output=discard)
 
@@ -326,16 +432,19 @@ def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
-def chat_messages(messages) -> list[dict]:
+def chat_messages(messages, info: ModelInfo | None = None) -> list[dict]:
+    """``messages`` as the template takes them; count and total length bounded before rendering."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
-    out = []
+    if len(messages) > MAX_MESSAGES:
+        raise bad("messages", f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    out, chars = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise APIError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
         role = m["role"]
         if role not in _ROLES:
-            raise APIError(400, f"messages[{i}].role {role!r} is not one of {', '.join(sorted(_ROLES))}",
+            raise APIError(400, f"messages[{i}].role {_shown(role)} is not one of {', '.join(sorted(_ROLES))}",
                            param="messages")
         content = m.get("content")
         if isinstance(content, list):
@@ -348,42 +457,194 @@ def chat_messages(messages) -> list[dict]:
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param="messages")
+        chars += len(content)
+        if info is not None:
+            _check_chars(info, chars, "messages")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
 
-def parse_chat(body: dict, info: ModelInfo) -> GenRequest:
-    _check_known(body, CHAT_FIELDS)
-    _check_model(body, info)
-    if "messages" not in body:
-        raise bad("messages", "is required")
-    _unsupported(body, "logit_bias", lambda v: v == {})
-    _unsupported(body, "tools", lambda v: v == [])
-    _unsupported(body, "tool_choice", lambda v: v == "none")
-    _unsupported(body, "response_format", lambda v: v == {"type": "text"})
-    _unsupported(body, "modalities", lambda v: v == ["text"])
-    stream = bool(_bool(body, "stream"))
-    include_usage = _stream_opts(body, stream)
-    want_logprobs = bool(_bool(body, "logprobs"))
-    top = _int(body, "top_logprobs", 0, 20)
-    if top is not None and not want_logprobs:
-        raise bad("top_logprobs", "needs logprobs set to true")
-    logprobs = (top or 0) if want_logprobs else None
-    n, seed = _n_and_seed(body)
-    add_gen = _bool(body, "add_generation_prompt")
-    messages = chat_messages(body["messages"])
+def render_chat(info: ModelInfo, messages: list[dict], add_generation_prompt: bool) -> str:
+    """The chat template applied; a template's refusal is the client's 400, and so is a result too long."""
     try:
-        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=add_gen is not False)
+        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # jinja2 TemplateError raised by the template itself (e.g. role order)
         raise APIError(400, f"the chat template refused these messages: {e}", param="messages") from None
+    _check_chars(info, len(text), "messages")
+    return text
+
+
+def parse_chat(body: dict, info: ModelInfo) -> GenRequest:
+    check_known(body, CHAT_FIELDS)
+    _check_model(body, info)
+    if "messages" not in body:
+        raise bad("messages", "is required")
+    _unsupported(body, "logit_bias", lambda v: v == {}, "leave it out (or send {})")
+    _unsupported(body, "tools", lambda v: v == [], "this server does not call tools")
+    _unsupported(body, "tool_choice", lambda v: v == "none", "this server does not call tools")
+    _unsupported(body, "response_format", lambda v: v == {"type": "text"}, "only {\"type\": \"text\"}")
+    _unsupported(body, "modalities", lambda v: v == ["text"], "only [\"text\"]")
+    for name, kind, what in (("user", str, "a string"), ("service_tier", str, "a string"),
+                             ("metadata", dict, "an object"), ("store", bool, "true or false"),
+                             ("parallel_tool_calls", bool, "true or false")):
+        _typed(body, name, kind, what)
+    stream = bool(_bool(body, "stream"))
+    include_usage = _stream_opts(body, stream)
+    want_logprobs = bool(_bool(body, "logprobs"))
+    top = _int(body, "top_logprobs", LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise bad("top_logprobs", "needs logprobs set to true")
+    logprobs = (top or 0) if want_logprobs else None
+    n, seed = _n_and_seed(body)
+    _check_fan_out(info, 1, n)
+    add_gen = _bool(body, "add_generation_prompt")
+    values = _sampling_values(body, info)
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    _check_max_tokens_bound(body, ("max_tokens", "max_completion_tokens"), info, 1)
+    text = render_chat(info, chat_messages(body["messages"], info), add_gen is not False)
     ids = info.tokenizer.encode(text)
     _limits(info, ids, "messages")
-    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = _max_tokens(body, name, None, info, len(ids), allow_zero=False)
-    params = [_sampling(body, "chat", mt, logprobs, None, _choice_seed(seed, i)) for i in range(n)]
+    params = [_sampling(values, "chat", mt, logprobs, None, _choice_seed(seed, i)) for i in range(n)]
     return GenRequest("chat", [ids], [text], params, n, stream, include_usage, logprobs=logprobs)
+
+
+def parse_tokenize(body: dict, info: ModelInfo) -> dict:
+    """``/tokenize``: the same bounds as a prompt, checked before tokenizing."""
+    check_known(body, TOKENIZE_FIELDS)
+    add_special = body.get("add_special_tokens", False)
+    if not isinstance(add_special, bool):
+        raise bad("add_special_tokens", "must be true or false")
+    add_gen = _bool(body, "add_generation_prompt")
+    if "messages" in body:
+        text = render_chat(info, chat_messages(body["messages"], info), add_gen is not False)
+    elif isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+        _check_chars(info, len(text), "prompt")
+    else:
+        raise APIError(400, "give 'prompt' (a string) or 'messages'", param="prompt")
+    ids = info.tokenizer.encode(text, add_special_tokens=add_special)
+    return {"tokens": ids, "count": len(ids), "max_model_len": info.max_request_tokens}
+
+
+def parse_detokenize(body: dict, info: ModelInfo) -> list[int]:
+    check_known(body, DETOKENIZE_FIELDS)
+    ids = _token_ids(body, "tokens", info, MAX_DETOKENIZE)
+    if ids is None:
+        raise bad("tokens", "is required: a list of token ids")
+    return ids
+
+
+# ---------------------------------------------------------------------------------- the OpenAPI schema
+def _token_id_schema(info: ModelInfo | None) -> dict:
+    return {"type": "integer", "minimum": 0, "maximum": info.vocab_size - 1 if info else TOKEN_ID.hi}
+
+
+def _described(schema: dict, text: str) -> dict:
+    return {**schema, "description": text}
+
+
+def _messages_schema(info: ModelInfo | None) -> dict:
+    chars = {"maxLength": info.max_prompt_chars} if info else {}
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"const": "text"}, "text": {"type": "string", **chars}}}
+    message = {"type": "object", "required": ["role", "content"],
+               "properties": {"role": {"enum": sorted(_ROLES)},
+                              "content": {"anyOf": [{"type": "string", **chars},
+                                                    {"type": "array", "items": part}]}}}
+    return _described({"type": "array", "minItems": 1, "maxItems": MAX_MESSAGES, "items": message},
+                      f"at most {MAX_MESSAGES} messages, rendered with the artifact's chat template; their text "
+                      f"at most {CHARS_PER_TOKEN} characters per token of the context limit, before tokenizing")
+
+
+def request_body_schemas(info: ModelInfo | None) -> dict[str, dict]:
+    """JSON Schema of each POST body, from the bounds the validators above use (``info``: the loaded
+    model's limits; None while loading, when only the model-independent bounds are shown)."""
+    ctx = info.max_request_tokens if info else None
+    token = _token_id_schema(info)
+    ids = {"type": "array", "items": token, "minItems": 1, **({"maxItems": ctx - 1} if ctx else {})}
+    text = {"type": "string", "minLength": 1, **({"maxLength": info.max_prompt_chars} if info else {})}
+    stop = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_LENGTH}
+    choices = info.max_choices if info else MAX_CHOICES
+    fan = f"; prompts x n at most {choices} (the smaller of {MAX_CHOICES} and --max-queue)"
+
+    def tokens_bound(lo: int) -> dict:
+        return {"type": "integer", "minimum": lo, **({"maximum": ctx - 1} if ctx else {}),
+                "description": "prompt + max_tokens must fit the context limit"}
+
+    top_k = (info.top_k if info else Range(-1, TOKEN_ID.hi, integer=True)).json_schema()
+    common = {
+        "model": {"type": "string"},
+        "max_tokens": tokens_bound(1),
+        "temperature": _described(FLOAT_BOUNDS["temperature"].json_schema(), "0 is greedy"),
+        "top_p": FLOAT_BOUNDS["top_p"].json_schema(),
+        "n": _described(Range(1, min(MAX_N, choices), integer=True).json_schema(), f"choices per prompt{fan}"),
+        "stream": {"type": "boolean"},
+        "stream_options": {"type": "object", "additionalProperties": False,
+                           "properties": {"include_usage": {"type": "boolean"},
+                                          "continuous_usage_stats": {"type": "boolean"}},
+                           "description": "only with stream: true"},
+        "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS}]},
+        "seed": _described(SEED.json_schema(), "choice i of n uses seed + i"),
+        "presence_penalty": FLOAT_BOUNDS["presence_penalty"].json_schema(),
+        "frequency_penalty": FLOAT_BOUNDS["frequency_penalty"].json_schema(),
+        "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: only {}"},
+        "user": {"type": "string"},
+        "top_k": _described(top_k, "-1 or 0: off"),
+        "min_p": FLOAT_BOUNDS["min_p"].json_schema(),
+        "repetition_penalty": _described(FLOAT_BOUNDS["repetition_penalty"].json_schema(), "1 is off"),
+        "ignore_eos": {"type": "boolean"},
+        "stop_token_ids": {"type": "array", "items": token, "maxItems": MAX_STOP_TOKEN_IDS},
+        "skip_special_tokens": {"type": "boolean"},
+    }
+    completion = {
+        **common,
+        "prompt": {"anyOf": [text, {"type": "array", "minItems": 1, "maxItems": min(MAX_PROMPTS, choices),
+                                    "items": {"anyOf": [text, ids]}}, ids],
+                   "description": f"a string, a list of strings, a list of token ids, or a list of such lists; "
+                                  f"at most {MAX_PROMPTS} prompts{fan}"},
+        "max_tokens": _described(tokens_bound(0), "0 only with echo (scores the prompt); "
+                                                  "prompt + max_tokens must fit the context limit"),
+        "suffix": {"const": "", "description": "not supported: only \"\""},
+        "logprobs": LOGPROBS.json_schema(),
+        "echo": {"type": "boolean"},
+        "best_of": _described(Range(1, min(MAX_N, choices), integer=True).json_schema(), "only equal to n"),
+        "prompt_logprobs": LOGPROBS.json_schema(),
+    }
+    chat = {
+        **common,
+        "messages": _messages_schema(info),
+        "max_completion_tokens": tokens_bound(1),
+        "logprobs": {"type": "boolean"},
+        "top_logprobs": _described(LOGPROBS.json_schema(), "needs logprobs: true"),
+        "response_format": {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
+                            "additionalProperties": False},
+        "tools": {"type": "array", "maxItems": 0, "description": "not supported: only []"},
+        "tool_choice": {"const": "none"},
+        "parallel_tool_calls": {"type": "boolean"},
+        "store": {"type": "boolean"},
+        "metadata": {"type": "object"},
+        "service_tier": {"type": "string"},
+        "add_generation_prompt": {"type": "boolean"},
+        "modalities": {"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1},
+    }
+    assert set(completion) == COMPLETION_FIELDS and set(chat) == CHAT_FIELDS  # every accepted field documented
+
+    def body(props: dict, required: list[str], **extra) -> dict:
+        return {"type": "object", "properties": props, "required": required, "additionalProperties": False, **extra}
+
+    return {
+        "/v1/completions": body(completion, ["prompt"]),
+        "/v1/chat/completions": body(chat, ["messages"]),
+        "/tokenize": body({"model": {"type": "string"}, "prompt": {**text, "minLength": 0},
+                           "messages": _messages_schema(info), "add_special_tokens": {"type": "boolean"},
+                           "add_generation_prompt": {"type": "boolean"}}, [],
+                          anyOf=[{"required": ["prompt"]}, {"required": ["messages"]}]),
+        "/detokenize": body({"model": {"type": "string"},
+                             "tokens": {"type": "array", "items": token, "maxItems": MAX_DETOKENIZE}}, ["tokens"]),
+    }
 
 
 # ---------------------------------------------------------------------------------- responses

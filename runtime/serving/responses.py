@@ -1,4 +1,9 @@
-"""One HTTP generation request's view of its engine requests: the JSON response or the SSE stream."""
+"""One HTTP generation request's view of its engine requests: the JSON response or the SSE stream.
+
+A choice the engine failed (finish_reason "error") fails its HTTP request alone: a 500 error
+object, or in a stream (whose 200 is already sent) an in-band ``data: {"error": ...}`` event and
+``[DONE]``; the request's other choices are aborted.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +37,20 @@ class Generation:
                 runner.abort(sub)
 
     async def _next(self):
-        item = await self.queue.get()
-        if isinstance(item, Exception):
+        return self._checked(await self.queue.get())
+
+    def _checked(self, item):
+        """An output, or the error it carries raised as the APIError this request answers with."""
+        if isinstance(item, APIError):
             raise item
+        if isinstance(item, Exception):
+            raise APIError(500, f"engine error: {type(item).__name__}: {item}", type="server_error",
+                           code="engine_error")
+        out, _ = item
+        if out.finish_reason == "error":
+            choice = f" (choice {self.index[out.request_id]})" if len(self.sub_ids) > 1 else ""
+            raise APIError(500, f"generation failed{choice}: {out.error}", type="server_error",
+                           code="generation_error")
         return item
 
     def _usage(self) -> dict:
@@ -129,10 +145,7 @@ class Generation:
             while len(self.final) < len(self.sub_ids):
                 items = [await self._next()]
                 while not self.queue.empty():  # a slow reader gets what piled up as one chunk per choice
-                    nxt = self.queue.get_nowait()
-                    if isinstance(nxt, Exception):
-                        raise nxt
-                    items.append(nxt)
+                    items.append(self._checked(self.queue.get_nowait()))
                 merged: dict[int, list] = {}
                 for out, fin in items:
                     i = self.index[out.request_id]
@@ -172,9 +185,12 @@ class Generation:
                 yield self._chunk([], usage=self._usage())
             self._log_outputs()
             yield "data: [DONE]\n\n"
-        except (RuntimeError, ValueError) as e:  # an engine failure mid-stream: say so in-band, then end
-            log.error("request %s failed: %s", self.rid, e)
-            yield f"data: {json.dumps(APIError(500, str(e), type='server_error').body())}\n\n"
+        except Exception as e:  # the 200 is sent: say so in-band, then end
+            if not isinstance(e, APIError):
+                log.exception("request %s: building its stream failed", self.rid)
+                e = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+            log.error("request %s failed: %s", self.rid, e.message)
+            yield f"data: {json.dumps(e.body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:  # also runs when the client disconnects (the generator is cancelled)
             self.abort_unfinished()

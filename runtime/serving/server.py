@@ -55,10 +55,18 @@ class State:
         self.created = now()
         self.on_failure = None  # called (from the loader thread) when the model cannot be loaded
 
+    @property
+    def engine_error(self) -> str | None:
+        """Why a loaded engine can no longer step (a tensor-parallel rank died): then /health is 503."""
+        return getattr(getattr(self.engine, "runner", None), "error", None)
+
     def require_ready(self) -> None:
         if self.draining:
             self.metrics and self.metrics.rejected("draining")
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        if self.engine_error:
+            raise APIError(503, f"the engine cannot serve: {self.engine_error}", type="service_unavailable",
+                           code="engine_failed")
         if not self.ready:
             raise APIError(503, "the model is still loading" if not self.load_error else
                            f"the model failed to load: {self.load_error}", type="service_unavailable",

@@ -1,0 +1,428 @@
+"""The GPU path's device check: one command, under 8 minutes, on a lent NVIDIA GPU (an H200).
+
+    PYTHONUNBUFFERED=1 python3 bench/device_check.py            # on the GPU machine, from the repo root
+    TRITON_INTERPRET=1 .venv/bin/python bench/device_check.py --smoke   # here: tiny shapes, no timings
+
+Nothing large can travel to the device, so the weights are random, made on the device, in the
+shapes of Qwen2.5-7B (hidden 3584, 28 heads, 4 KV heads, head_dim 128, intermediate 18944, vocab
+152064; W4A16 group 128). Sections, each within what is left of a self-imposed time budget
+(``--budget-s``), each recorded (or its error) without stopping the others:
+1. correctness: every triton kernel against its torch reference at real shapes;
+2. HBM read bandwidth: a large tensor's sum and copy, median of several;
+3. decode attention at batch 1-16 and contexts 1k-4k, and the W4A16 GEMM at batch 1-16 on the
+   four projection shapes: achieved bandwidth as a share of (2), next to torch's dense bf16 matmul;
+4. the decode step of a stack of ``--layers`` layers built from these kernels, eager and replayed
+   as a CUDA graph (kernels/cuda_graphs.py), and the graph's rows checked against the eager step.
+Writes ``$OUT/device_check.json`` when $OUT is set, else bench/results/device_check.json, and
+prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+QWEN7B = dict(hidden=3584, heads=28, kv_heads=4, head_dim=128, inter=18944, vocab=152064, group=128, block_size=16)
+TINY = dict(hidden=64, heads=4, kv_heads=2, head_dim=16, inter=128, vocab=256, group=32, block_size=4)
+
+
+def import_kernels():
+    """infer's kernels, installed or straight from this tree (the device machine has the tree, not
+    the package: ``infer.X`` is the folder ``X``, as the editable install maps it)."""
+    try:
+        import infer.kernels.triton_ops  # noqa: F401
+    except ImportError:
+        pkg = types.ModuleType("infer")
+        pkg.__path__ = [str(REPO)]
+        sys.modules["infer"] = pkg
+    from infer.kernels import cuda_graphs, triton_ops
+
+    return triton_ops, cuda_graphs
+
+
+class Report:
+    """Sections run in order while the budget lasts; each records its result, skip reason or error."""
+
+    def __init__(self, budget_s: float):
+        self.start, self.budget_s = time.perf_counter(), budget_s
+        self.sections: dict[str, dict] = {}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.start)
+
+    def run(self, name: str, fn, need_s: float = 0.0, skip: str | None = None):
+        if skip is None and self.left() < need_s:
+            skip = f"{self.left():.0f} s of the budget left, this section needs about {need_s:.0f} s"
+        if skip is not None:
+            self.sections[name] = {"skipped": skip}
+            print(f"[{name}] skipped: {skip}", flush=True)
+            return None
+        t0 = time.perf_counter()
+        print(f"[{name}] ...", flush=True)
+        try:
+            result = fn()
+            self.sections[name] = {"seconds": round(time.perf_counter() - t0, 1), "result": result}
+        except Exception as e:  # recorded, and the next section still runs
+            self.sections[name] = {"seconds": round(time.perf_counter() - t0, 1), "error": repr(e),
+                                   "traceback": traceback.format_exc()[-4000:]}
+            print(f"[{name}] ERROR {e!r}\n{traceback.format_exc()[-2000:]}", flush=True)
+            result = None
+        print(f"[{name}] done in {time.perf_counter() - t0:.1f} s ({self.left():.0f} s of the budget left)",
+              flush=True)
+        return result
+
+
+def rel_err(got, want) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------- weights and inputs
+
+def random_w4(n: int, k: int, group: int, device, asym=False, act_order=False, seed=0):
+    """Random W4A16 tensors in compressed-tensors' layout: any int32 word is 8 valid nibbles."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    packed = torch.randint(-2**31, 2**31 - 1, (n, k // 8), generator=g, dtype=torch.int32, device=device)
+    # int4 values have std ~4.6: this scale keeps a layer's output about as large as its input
+    scale = (torch.rand(n, k // group, generator=g, device=device) * 0.5 + 0.75) / (4.6 * k ** 0.5)
+    zero = torch.randint(-2**31, 2**31 - 1, (n // 8, k // group), generator=g, dtype=torch.int32,
+                         device=device) if asym else None
+    g_idx = None
+    if act_order:
+        g_idx = torch.empty(k, dtype=torch.int32, device=device)
+        g_idx[torch.randperm(k, generator=g, device=device)] = (torch.arange(k, device=device) // group).int()
+    return packed, scale.to(torch.bfloat16), zero, g_idx
+
+
+def paged_inputs(seqs, ctx, shape, device, dtype, num_blocks=None, seed=0):
+    """A KV cache of one layer and the block tables of ``seqs`` sequences of ``ctx`` tokens (a list:
+    one length per sequence), blocks scattered at random as an engine's allocator leaves them."""
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    bs, kvh, d = shape["block_size"], shape["kv_heads"], shape["head_dim"]
+    lens = torch.tensor(ctx, device=device)
+    width = -(-max(ctx) // bs)
+    num_blocks = num_blocks or seqs * width + 1
+    k = torch.randn(num_blocks, bs, kvh, d, generator=g, device=device).to(dtype)
+    v = torch.randn(num_blocks, bs, kvh, d, generator=g, device=device).to(dtype)
+    tables = torch.randperm(num_blocks, generator=g, device=device)[:seqs * width].view(seqs, width).int()
+    q = torch.randn(seqs, shape["heads"], d, generator=g, device=device).to(dtype)
+    return q, k, v, tables, lens.int()
+
+
+# ---------------------------------------------------------------------------- 1. correctness
+
+def correctness(T, shape, device, smoke):
+    import torch
+
+    dt = torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(1)
+    H, heads, kvh, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
+    out = {}
+    ctx = [1, 37, 1000, 4096] if not smoke else [1, 9, 30]
+    q, k, v, tables, lens = paged_inputs(len(ctx), ctx, shape, device, dt)
+    ref = T.paged_decode_attention_reference(q, k, v, tables, lens, d ** -0.5)
+    for splits in (None, 1):
+        got = T.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits=splits)
+        out[f"decode_attention splits={splits or 'auto'}"] = rel_err(got, ref)
+
+    shapes = [("qkv", heads * d + 2 * kvh * d, H), ("down", H, inter)]
+    for name, n, kk in shapes:
+        for asym, act in ((False, False), (True, False), (False, True)):
+            w = random_w4(n, kk, shape["group"], device, asym, act, seed=2)
+            x = torch.randn(4, kk, generator=g, device=device).to(dt)
+            label = f"w4a16 {name} {n}x{kk} {'asym' if asym else 'sym'}{' act-order' if act else ''}"
+            out[label] = rel_err(T.w4a16_gemm(x, *w), T.w4a16_gemm_reference(x, *w))
+
+    x, res = (torch.randn(16, H, generator=g, device=device).to(dt) for _ in range(2))
+    weight = (torch.rand(H, generator=g, device=device) + 0.5).to(dt)
+    rn, rr = T.rms_norm_reference(x, weight, 1e-6, res)
+    xs, rs = x.clone(), res.clone()
+    T.fused_add_rms_norm_(xs, rs, weight, 1e-6)
+    out["fused_add_rms_norm normed"] = rel_err(xs, rn)
+    out["fused_add_rms_norm residual"] = rel_err(rs, rr)
+    out["rms_norm"] = rel_err(T.rms_norm(x, weight, 1e-6), T.rms_norm_reference(x, weight, 1e-6)[0])
+
+    cos, sin = rope_tables(d, 8192, device)
+    qkv = torch.randn(16, (heads + 2 * kvh) * d, generator=g, device=device).to(dt)
+    pos = torch.randint(0, 8192, (16,), generator=g, device=device)
+    want = T.rotary_reference(qkv, pos, cos, sin, heads + kvh, d)
+    T.rotary_(qkv, pos, cos, sin, heads + kvh, d)
+    out["rotary"] = rel_err(qkv, want)
+
+    gu = torch.randn(16, 2 * inter, generator=g, device=device).to(dt)
+    out["silu_and_mul"] = rel_err(T.silu_and_mul(gu), T.silu_and_mul_reference(gu))
+
+    kc, vc = (torch.randn(64, shape["block_size"], kvh, d, generator=g, device=device).to(dt) for _ in range(2))
+    kk_, vv = (torch.randn(16, kvh, d, generator=g, device=device).to(dt) for _ in range(2))
+    slots = torch.randperm(64 * shape["block_size"], generator=g, device=device)[:16]
+    slots[3] = -1
+    want_k, want_v = T.store_kv_reference(kc, vc, slots, kk_, vv)
+    T.store_kv_(kc, vc, slots, kk_, vv)
+    out["store_kv (exact)"] = float(not (torch.equal(kc, want_k) and torch.equal(vc, want_v)))
+
+    # bf16: 2 ulps is 2**-7; a sum over K rounds once more at the output
+    tol = {"store_kv (exact)": 0.0}
+    result = {name: {"rel_err": err, "ok": err <= tol.get(name, 2e-2)} for name, err in out.items()}
+    return result
+
+
+def rope_tables(head_dim, positions, device, theta=1_000_000.0):
+    import torch
+
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    emb = torch.outer(torch.arange(positions, device=device).float(), inv).repeat(1, 2)
+    return emb.cos().contiguous(), emb.sin().contiguous()
+
+
+# ---------------------------------------------------------------------------- 2. bandwidth
+
+def bench_ms(fn) -> float:
+    """Median ms of fn on the GPU; triton's do_bench flushes L2 between runs, so small working sets
+    (one layer's weights, a short KV cache) are read from HBM, not from the 60 MB of L2."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def hbm_bandwidth(device):
+    import torch
+
+    x = torch.ones(2 << 30, dtype=torch.bfloat16, device=device)  # 4 GiB
+    y = torch.empty_like(x)
+    nbytes = x.numel() * x.element_size()
+    sums, copies = [], []
+    for _ in range(7):
+        sums.append(bench_ms(functools.partial(torch.sum, x, dtype=torch.float32)))
+        copies.append(bench_ms(functools.partial(y.copy_, x)))
+    read = nbytes / (statistics.median(sums) * 1e-3) / 1e9
+    copy = 2 * nbytes / (statistics.median(copies) * 1e-3) / 1e9
+    del x, y
+    torch.cuda.empty_cache()
+    return {"read_gbps (sum of 4 GiB)": round(read), "copy_gbps (read + write)": round(copy),
+            "reference_gbps": round(max(read, copy))}
+
+
+def attention_bandwidth(T, shape, device, peak_gbps):
+    import torch
+
+    rows = []
+    for batch in (1, 4, 16):
+        for ctx in (1024, 4096):
+            q, k, v, tables, lens = paged_inputs(batch, [ctx] * batch, shape, device, torch.bfloat16)
+            scale = shape["head_dim"] ** -0.5
+            splits = T.default_splits(batch, shape["kv_heads"], tables.shape[1] * shape["block_size"], q.device)
+            for s in sorted({splits, 1}) if batch == 1 else (splits,):
+                ms = bench_ms(lambda: T.paged_decode_attention(q, k, v, tables, lens, scale, splits=s))
+                nbytes = 2 * batch * ctx * shape["kv_heads"] * shape["head_dim"] * 2 + 2 * q.numel() * 2
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                rows.append({"batch": batch, "context": ctx, "splits": s, "us": round(ms * 1e3, 1),
+                             "gbps": round(gbps), "share": round(gbps / peak_gbps, 3)})
+    return rows
+
+
+def gemm_bandwidth(T, shape, device, peak_gbps):
+    import torch
+
+    H, heads, kvh, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
+    rows = []
+    for name, n, k in (("qkv", heads * d + 2 * kvh * d, H), ("o", H, heads * d), ("gate_up", 2 * inter, H),
+                       ("down", H, inter)):
+        w = random_w4(n, k, shape["group"], device)
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        for m in (1, 2, 4, 8, 16):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            ms = bench_ms(lambda: T.w4a16_gemm(x, *w))
+            dense_ms = bench_ms(lambda: x @ dense.t())
+            nbytes = n * k // 2 + w[1].numel() * 2 + (m * k + m * n) * 2
+            gbps = nbytes / (ms * 1e-3) / 1e9
+            rows.append({"shape": f"{name} {n}x{k}", "batch": m, "us": round(ms * 1e3, 1), "gbps": round(gbps),
+                         "share": round(gbps / peak_gbps, 3), "dense_bf16_us": round(dense_ms * 1e3, 1),
+                         "speedup_vs_dense": round(dense_ms / ms, 2)})
+    return rows
+
+
+# ---------------------------------------------------------------------------- 4. decode step
+
+class DecoderStack:
+    """Qwen2-shaped decoder layers built only from the triton kernels (W4A16 projections, bf16 KV
+    cache), the embedding and a dense bf16 lm_head: the decode step a GPU engine would run."""
+
+    def __init__(self, T, shape, layers, max_seqs, max_ctx, device):
+        import torch
+
+        self.T, self.s, self.layers = T, shape, layers
+        H, heads, kvh, d, inter = (shape[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "inter"))
+        g = torch.Generator(device=device).manual_seed(3)
+        bf = torch.bfloat16
+        self.embed = (torch.randn(shape["vocab"], H, generator=g, device=device) * 0.02).to(bf)
+        self.lm_head = (torch.randn(shape["vocab"], H, generator=g, device=device) * H ** -0.5).to(bf)
+        self.norms = [(torch.rand(H, generator=g, device=device) + 0.5).to(bf) for _ in range(2 * layers + 1)]
+        qkv_n = (heads + 2 * kvh) * d
+        self.qkv = [random_w4(qkv_n, H, shape["group"], device, seed=10 + i) for i in range(layers)]
+        self.qkv_bias = [(torch.randn(qkv_n, generator=g, device=device) * 0.02).to(bf) for _ in range(layers)]
+        self.o = [random_w4(H, heads * d, shape["group"], device, seed=100 + i) for i in range(layers)]
+        self.gate_up = [random_w4(2 * inter, H, shape["group"], device, seed=200 + i) for i in range(layers)]
+        self.down = [random_w4(H, inter, shape["group"], device, seed=300 + i) for i in range(layers)]
+        self.block_size = shape["block_size"]
+        self.max_blocks = -(-max_ctx // self.block_size)
+        num_blocks = max_seqs * self.max_blocks + 1
+        self.k_cache = [torch.randn(num_blocks, self.block_size, kvh, d, generator=g, device=device).to(bf)
+                        for _ in range(layers)]
+        self.v_cache = [torch.randn_like(c) for c in self.k_cache]
+        self.cos, self.sin = rope_tables(d, max_ctx + 1, device)
+
+    def step(self, x):
+        """DecodeInputs -> logits [rows, vocab] bf16. No host syncs: capturable."""
+        T, s = self.T, self.s
+        heads, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
+        h = self.embed.index_select(0, x.input_ids)
+        residual = h
+        hidden = T.rms_norm(h, self.norms[0], 1e-6)
+        for i in range(self.layers):
+            if i > 0:
+                T.fused_add_rms_norm_(hidden, residual, self.norms[2 * i], 1e-6)
+            qkv = T.w4a16_gemm(hidden, *self.qkv[i]) + self.qkv_bias[i]
+            T.rotary_(qkv, x.positions, self.cos, self.sin, heads + kvh, d, check=False)
+            q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+            T.store_kv_(self.k_cache[i], self.v_cache[i], x.slot_mapping, k.view(-1, kvh, d), v.view(-1, kvh, d),
+                        check=False)
+            attn = T.paged_decode_attention(q.view(-1, heads, d), self.k_cache[i], self.v_cache[i], x.block_tables,
+                                            x.context_lens, d ** -0.5)
+            hidden = T.w4a16_gemm(attn.view(-1, heads * d), *self.o[i])
+            T.fused_add_rms_norm_(hidden, residual, self.norms[2 * i + 1], 1e-6)
+            hidden = T.w4a16_gemm(T.silu_and_mul(T.w4a16_gemm(hidden, *self.gate_up[i])), *self.down[i])
+        T.fused_add_rms_norm_(hidden, residual, self.norms[-1], 1e-6)
+        return hidden @ self.lm_head.t()
+
+
+def decode_batch(cg, stack, batch, ctx, device, seed=0):
+    """A decode step's inputs: each sequence has ctx - 1 cached tokens and stores its ctx-th."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    bs = stack.block_size
+    width = -(-ctx // bs)
+    blocks = torch.randperm(stack.k_cache[0].shape[0], generator=g)[:batch * width].view(batch, width)
+    lens = torch.full((batch,), ctx)
+    slots = blocks[:, (ctx - 1) // bs] * bs + (ctx - 1) % bs
+    ids = torch.randint(0, stack.s["vocab"], (batch,), generator=g)
+    to = dict(device=device)
+    return cg.DecodeInputs(ids.to(**to), (lens - 1).to(**to), slots.to(**to), blocks.to(**to), lens.to(**to))
+
+
+def decode_step(T, cg, shape, layers, device, smoke):
+    import torch
+
+    batches, ctx = ((1, 3, 4, 16), 1024) if not smoke else ((1, 3), 12)
+    stack = DecoderStack(T, shape, layers, max(batches), ctx, device)
+    runner = cg.GraphRunner(stack.step, stack.max_blocks, device, buckets=(1, 2, 4, 8, 16))
+    rows = []
+    for batch in batches:
+        x = decode_batch(cg, stack, batch, ctx, device, seed=batch)
+        eager = stack.step(x).float()
+        graphed = runner(x).float()  # the first call at a bucket warms up and captures
+        # not bitwise: split-K GEMMs add their partial sums atomically, in whatever order they land
+        rel = rel_err(graphed, eager)
+        row = {"batch": batch, "bucket": cg.choose_bucket(batch, runner.buckets), "layers": layers,
+               "graph_vs_eager_rel": rel, "ok": bool(torch.isfinite(eager).all()) and rel < 5e-2}
+        if not smoke:
+            row["eager_ms"] = round(bench_ms(lambda: stack.step(x)), 3)
+            row["graph_ms"] = round(bench_ms(lambda: runner(x)), 3)
+            row["graph_speedup"] = round(row["eager_ms"] / row["graph_ms"], 2)
+        rows.append(row)
+    rows.append({"graphs_captured": sorted(runner.graphs)})
+    return rows
+
+
+# ---------------------------------------------------------------------------- the command
+
+def print_table(report: Report) -> None:
+    for name, section in report.sections.items():
+        print(f"\n== {name} ({section.get('seconds', '-')} s)")
+        if "skipped" in section or "error" in section:
+            print("  " + (f"skipped: {section['skipped']}" if "skipped" in section else f"ERROR {section['error']}"))
+            continue
+        result = section["result"]
+        if isinstance(result, dict):
+            width = max(len(k) for k in result)
+            for k, v in result.items():
+                print(f"  {k:<{width}}  {v}")
+        elif isinstance(result, list) and result:
+            keys = list(dict.fromkeys(k for r in result for k in r))
+            print("  " + " | ".join(keys))
+            for r in result:
+                print("  " + " | ".join(str(r.get(k, "")) for k in keys))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on the CPU under TRITON_INTERPRET=1; no timings (checks that it runs)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers in the decode-step section (default: all 28 of Qwen2.5-7B; 2 with --smoke)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit reads it at decoration
+    import torch
+    import triton
+
+    T, cg = import_kernels()
+    if not args.smoke and not torch.cuda.is_available():
+        print("no CUDA device: run with --smoke (and TRITON_INTERPRET=1) on a CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shape = TINY if args.smoke else QWEN7B
+    layers = args.layers or (2 if args.smoke else 28)
+    report = Report(args.budget_s)
+    no_timing = "--smoke: the interpreter's timings mean nothing, so none are taken" if args.smoke else None
+    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)",
+           "smoke": args.smoke, "shape": shape, "decode_step_layers": layers}
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1))
+    report.sections["env"] = {"result": env}
+    print(json.dumps(env), flush=True)
+
+    report.run("correctness", lambda: correctness(T, shape, device, args.smoke), need_s=60)
+    hbm = report.run("hbm_bandwidth", lambda: hbm_bandwidth(device), need_s=20, skip=no_timing)
+    peak = (hbm or {}).get("reference_gbps")
+    no_peak = no_timing or (None if peak else "no HBM bandwidth measured to compare with")
+    report.run("decode_attention_bandwidth", lambda: attention_bandwidth(T, shape, device, peak), need_s=60,
+               skip=no_peak)
+    report.run("w4a16_gemm_bandwidth", lambda: gemm_bandwidth(T, shape, device, peak), need_s=90, skip=no_peak)
+    report.run("decode_step", lambda: decode_step(T, cg, shape, layers, device, args.smoke), need_s=60)
+    report.sections["total_seconds"] = {"result": {"seconds": round(time.perf_counter() - report.start, 1)}}
+
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / ("device_check_smoke.json" if args.smoke and not os.environ.get("OUT") else "device_check.json")
+    path.write_text(json.dumps(report.sections, indent=1, default=str))
+    print_table(report)
+    print(f"\nwrote {path}")
+    failed = [k for k, v in (report.sections.get("correctness", {}).get("result") or {}).items() if not v["ok"]]
+    failed += [f"decode_step batch {r['batch']}" for r in report.sections.get("decode_step", {}).get("result") or []
+               if not r.get("ok", True)]
+    errors = [k for k, v in report.sections.items() if "error" in v]
+    if failed or errors:
+        print(f"FAILED: {failed + errors}")
+    return 1 if failed or errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""Kernel tuning per batch-size bucket: measured on the machine, kept as ``tuning.json``, applied when
+the hardware matches.
+
+The runtime makes three choices by a fixed rule that the machine may disagree with; tuning times
+the real alternatives with the model's real shapes and records every timing and the choice:
+
+- ``linear``: per bfloat16 linear shape, AMX tiles / oneDNN's packed layout / plain ``F.linear``
+  (the weight layout is fixed at load, so one kernel per shape: the one with the least time summed
+  over the buckets);
+- ``decode_attention``: per bucket (decode sequences in a step), the C++ paged kernel or gather +
+  SDPA (both read the same cache, so this switches step by step);
+- ``threads``: per bucket (rows in a step), how many of the cores a step uses (not chosen on a busy
+  machine, where fewer threads win only because other work holds the cores).
+
+Decided, not raced: each candidate is run ``WARMUP`` times, then timed ``REPEATS`` times, and
+keeps its fastest and its median run (other work on the machine only ever adds time, so the
+fastest run is the steadiest estimate, and the median guards against one lucky run). An
+alternative replaces the default only when both its fastest and its median are at least
+``MARGIN`` below the default's; ties are broken by the fixed order of the candidates. The load
+average when measuring is recorded: a table measured on a busy machine says so. Quantized linears are not tuned: each scheme
+has one fast backend, and the fallback (dequantize per call) is several times slower.
+
+A table measured elsewhere is ignored with one warning naming what differs (never a refusal); the
+build's ``tune`` stage writes one into the artifact, ``infer-run ART --retune`` writes one next to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("infer.tuning")
+FILE = "tuning.json"
+FORMAT, VERSION = "infer-tuning", 1
+REPEATS, WARMUP, MARGIN = 7, 2, 0.10
+LINEAR_ORDER = ("amx", "onednn", "torch")
+ATTENTION_ORDER = ("cpp", "torch-sdpa")
+CONTEXT = 256  # tokens of context per sequence when timing decode attention and steps
+RULE = (f"fastest and median of {REPEATS} timed runs after {WARMUP} warm-up runs; an alternative replaces the "
+        f"default only when both are at least {MARGIN:.0%} below the default's; ties broken by candidate order")
+
+
+class TuningError(ValueError):
+    """A tuning table that cannot be read; the message names the file and the fix."""
+
+
+def hardware() -> dict:
+    """What a table is valid for: the CPU (model, instruction set), cores, torch."""
+    from infer.kernels.extension import cpu_flags
+    from infer.kernels.resolver import cpu_has_amx
+
+    model = platform.processor() or platform.machine()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    flags = cpu_flags()
+    return {"cpu": model, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "amx": cpu_has_amx(),
+            "avx512_bf16": "avx512_bf16" in flags.split(), "cores": len(os.sched_getaffinity(0)),
+            "torch": torch.__version__}
+
+
+def differences(table_hw: dict, here: dict) -> list[str]:
+    """What differs between the table's hardware and this machine's, as readable items."""
+    return [f"{k}: table {table_hw.get(k)!r}, here {here.get(k)!r}" for k in sorted(here) if table_hw.get(k) != here[k]]
+
+
+def decide(timings: dict[str, dict], default: str, order) -> str:
+    """The rule: the candidate with the fastest run, if both its fastest and its median beat the
+    default's by MARGIN; else the default. ``timings``: {candidate: {"min": s, "median": s}}."""
+    rank = {c: i for i, c in enumerate(order)}
+    best = min(timings, key=lambda c: (timings[c]["min"], rank.get(c, len(rank))))
+    wins = all(timings[best][k] <= (1 - MARGIN) * timings[default][k] for k in ("min", "median"))
+    return best if wins else default
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest bucket holding n (the largest when n exceeds them all)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+def _time(fn, repeats: int = REPEATS, warmup: int = WARMUP) -> dict:
+    """{"min": fastest, "median": median} seconds of ``repeats`` runs after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return {"min": min(times), "median": statistics.median(times)}
+
+
+def _summed(per_bucket: dict[str, dict]) -> dict:
+    return {k: sum(t[k] for t in per_bucket.values()) for k in ("min", "median")}
+
+
+@dataclass
+class Tuning:
+    """A loaded table: the choices the runtime asks for."""
+    table: dict
+
+    @classmethod
+    def load(cls, path: Path) -> "Tuning":
+        try:
+            table = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TuningError(f"{path}: not a readable tuning table ({e}); delete it or run infer-run --retune") from e
+        if table.get("format") != FORMAT or table.get("version") != VERSION:
+            raise TuningError(f"{path}: format {table.get('format')!r} version {table.get('version')!r} is not "
+                              f"{FORMAT!r} version {VERSION}; rebuild or run infer-run --retune")
+        return cls(table)
+
+    @property
+    def buckets(self) -> list[int]:
+        return self.table["buckets"]
+
+    def matches_here(self, source: str) -> bool:
+        """True when measured on this hardware; otherwise one warning naming what differs."""
+        diff = differences(self.table.get("hardware") or {}, hardware())
+        if diff:
+            log.warning("tuning table %s was measured on other hardware (%s): using the default kernels; "
+                        "infer-run --retune measures this machine", source, "; ".join(diff))
+        return not diff
+
+    def linear(self, in_features: int, out_features: int, dtype: torch.dtype) -> str | None:
+        entry = self.table.get("linear", {}).get(_shape_key(in_features, out_features, dtype))
+        return entry["choice"] if entry else None
+
+    def decode_attention(self, decodes: int) -> str | None:
+        entry = self.table.get("decode_attention", {}).get(str(bucket_for(decodes, self.buckets)))
+        return entry["choice"] if entry else None
+
+    def threads(self, rows: int) -> int | None:
+        entry = self.table.get("threads", {}).get(str(bucket_for(rows, self.buckets)))
+        return int(entry["choice"]) if entry else None
+
+    def changed(self) -> list[str]:
+        """Where the table departs from the defaults, for logs and benchmarks."""
+        out = []
+        for section in ("linear", "decode_attention", "threads"):
+            for key, entry in sorted(self.table.get(section, {}).items()):
+                if str(entry["choice"]) != str(entry["default"]):
+                    out.append(f"{section}[{key}]: {entry['default']} -> {entry['choice']}")
+        return out
+
+
+def _shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
+    return f"{in_features}x{out_features}:{str(dtype).removeprefix('torch.')}"
+
+
+# ---------------------------------------------------------------------------- measuring
+
+def _linear_candidates(weight: torch.Tensor, kernels) -> dict:
+    """The modules one bfloat16 linear can run as, by kernel name (those this machine can run)."""
+    from torch import nn
+
+    from infer.kernels import amx_linear
+
+    from .model.packed_linear import PackedLinear
+
+    plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype).requires_grad_(False)
+    plain.weight.copy_(weight)
+    out = {}
+    if kernels.amx_linear is not None and amx_linear.fits(weight):
+        out["amx"] = PackedLinear(plain, kernels.amx_linear)
+    if kernels.onednn_linear:
+        out["onednn"] = PackedLinear(plain, None)
+    out["torch"] = plain
+    return out
+
+
+def measure_linears(shapes: set[tuple[int, int]], dtype: torch.dtype, buckets: list[int], kernels,
+                    default_of) -> dict:
+    """Per shape: every candidate's median time per bucket, the default and the choice."""
+    gen = torch.Generator().manual_seed(0)
+    result = {}
+    for n_in, n_out in sorted(shapes):
+        weight = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
+        candidates = _linear_candidates(weight, kernels)
+        default = default_of(n_in, n_out)
+        if len(candidates) < 2 or default not in candidates:
+            continue
+        timings = {name: {} for name in candidates}
+        with torch.inference_mode():
+            for b in buckets:
+                x = torch.randn(b, n_in, generator=gen).to(dtype)
+                for name, module in candidates.items():
+                    timings[name][str(b)] = _time(lambda: module(x))
+        totals = {name: _summed(t) for name, t in timings.items()}
+        result[_shape_key(n_in, n_out, dtype)] = {"seconds": timings, "total_seconds": totals, "default": default,
+                                                  "choice": decide(totals, default, LINEAR_ORDER)}
+    return result
+
+
+def _context_tokens(model) -> int:
+    """CONTEXT, or less for a model with fewer positions (the new token needs one of its own)."""
+    return min(CONTEXT, model.config.max_position_embeddings - 1)
+
+
+def _decode_context(model, kernels, decodes: int, block_size: int, use_kernel: bool, layers: int | None = None):
+    """A decodes-only attention context over a synthetic cache with CONTEXT tokens a sequence
+    (for ``layers`` layers: all of the model's by default)."""
+    from .engine.attention import PagedAttention
+
+    cfg = model.config
+    context = _context_tokens(model)
+    per_seq = -(-(context + 1) // block_size)
+    blocks = decodes * per_seq + 1
+    # zeros: attention's cost does not depend on the values, and a memset is much cheaper than randn
+    cache = torch.zeros(layers or cfg.num_layers, 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    tables = torch.arange(1, blocks).view(decodes, per_seq)
+    lens = torch.full((decodes,), context + 1)
+    slots = tables[:, context // block_size] * block_size + context % block_size
+    return PagedAttention(cache, block_size, slots, [], torch.arange(decodes), tables, lens,
+                          kernels.decode_attention if use_kernel else None,
+                          kernels.store_kv if use_kernel else None, None)
+
+
+def measure_attention(model, kernels, buckets: list[int], block_size: int) -> dict:
+    """Per bucket: one layer's decode attention through the C++ kernel and through gather + SDPA."""
+    if kernels.decode_attention is None:
+        return {}
+    cfg = model.config
+    gen = torch.Generator().manual_seed(1)
+    result = {}
+    for b in buckets:
+        q = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=gen).to(model.dtype)
+        k = torch.randn(b, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(model.dtype)
+        timings = {}
+        for name, use in (("cpp", True), ("torch-sdpa", False)):
+            ctx = _decode_context(model, kernels, b, block_size, use, layers=1)
+            timings[name] = _time(lambda: ctx.attend(0, q, k, k))
+        result[str(b)] = {"seconds": timings, "default": "cpp", "choice": decide(timings, "cpp", ATTENTION_ORDER)}
+    return result
+
+
+def measure_threads(model, kernels, buckets: list[int], block_size: int) -> dict:
+    """Per bucket: a whole decode step of the model (b rows) at each thread count up to the cores."""
+    cores = len(os.sched_getaffinity(0))
+    default = torch.get_num_threads()
+    counts = sorted({default, *range(1, cores + 1)}, reverse=True)
+    if len(counts) < 2:
+        return {}
+    order = [str(c) for c in counts]
+    result = {}
+    try:
+        for b in buckets:
+            ids = torch.randint(0, model.config.vocab_size, (b,), generator=torch.Generator().manual_seed(2))
+            positions = torch.full((b,), _context_tokens(model))
+            ctx = _decode_context(model, kernels, b, block_size, True)
+            timings = {}
+            for c in counts:
+                torch.set_num_threads(c)
+                with torch.inference_mode():
+                    timings[str(c)] = _time(lambda: model.compute_logits(model(ids, positions, ctx)),
+                                            repeats=3, warmup=1)
+            result[str(b)] = {"seconds": timings, "default": str(default),
+                              "choice": decide(timings, str(default), order)}
+    finally:
+        torch.set_num_threads(default)
+    return result
+
+
+def measure(model_dir: Path, buckets: list[int], block_size: int = 16, dtype: torch.dtype | None = None,
+            sections: tuple[str, ...] = ("linear", "decode_attention", "threads")) -> dict:
+    """Times the alternatives on this machine for the model in ``model_dir``; returns the table."""
+    from infer.kernels.resolver import resolve
+
+    from .model import load_model
+    from .model.llama import ModelConfig
+
+    buckets = sorted(set(buckets))
+    if os.getloadavg()[0] > len(os.sched_getaffinity(0)):
+        log.warning("tuning on a busy machine (load average %.1f on %d cores): timings carry other work's noise, "
+                    "which the rule's margin guards against; tune on a quiet machine for the best table",
+                    os.getloadavg()[0], len(os.sched_getaffinity(0)))
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = ModelConfig.from_hf(config)
+    t0 = time.perf_counter()
+    model = load_model(model_dir, dtype, lambda d: resolve("auto", dtype=d, head_dim=cfg.head_dim,
+                                                             block_size=block_size), hf_config=config)
+    kernels = model.kernels
+    table = {"format": FORMAT, "version": VERSION, "hardware": hardware(), "rule": RULE, "buckets": buckets,
+             "dtype": str(model.dtype).removeprefix("torch."), "kernels": kernels.describe(model.dtype),
+             "context_tokens": _context_tokens(model), "load_average": os.getloadavg()[0]}
+    if "linear" in sections:
+        shapes, defaults = set(), {}
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if type(module).__name__ in ("Linear", "PackedLinear") and module.in_features and \
+                    (w is None or w.dtype == torch.bfloat16) and model.dtype == torch.bfloat16:
+                shapes.add((module.in_features, module.out_features))
+                defaults[(module.in_features, module.out_features)] = _kernel_of(module)
+        table["linear"] = measure_linears(shapes, model.dtype, buckets, kernels, lambda i, o: defaults[(i, o)])
+    if "decode_attention" in sections:
+        table["decode_attention"] = measure_attention(model, kernels, buckets, block_size)
+    if "threads" in sections:
+        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
+        if load > 0.75 * cores:  # other work holds cores: fewer threads would "win" for the wrong reason
+            table["skipped"] = {"threads": f"load average {load:.1f} on {cores} cores: kept the default"}
+            log.warning("tuning: not choosing thread counts on a busy machine (load %.1f on %d cores)", load, cores)
+        else:
+            table["threads"] = measure_threads(model, kernels, buckets, block_size)
+    table["seconds"] = round(time.perf_counter() - t0, 1)
+    return table
+
+
+def _kernel_of(module) -> str:
+    """What kernel a loaded linear runs today (the default the table compares against)."""
+    if type(module).__name__ == "PackedLinear":
+        return "amx" if module.amx is not None else "onednn"
+    return "torch"
+
+
+def write(table: dict, path: Path) -> Path:
+    """The table as canonical JSON; timings rounded to the microsecond (what noise leaves meaningful)."""
+    def rounded(v):
+        if isinstance(v, float):
+            return round(v, 6)
+        if isinstance(v, dict):
+            return {k: rounded(x) for k, x in v.items()}
+        return v
+
+    Path(path).write_text(json.dumps(rounded(table), indent=2, sort_keys=True) + "\n")
+    return Path(path)

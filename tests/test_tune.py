@@ -1,0 +1,152 @@
+"""The tune stage and the runtime's use of its table: the decision rule, a table from another
+machine ignored with a warning, a matching table followed, and byte-identical builds with tune.table."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from infer.runtime import tuning
+from infer.runtime.tuning import Tuning, bucket_for, decide
+
+
+def t(min_s: float, median_s: float | None = None) -> dict:
+    return {"min": min_s, "median": median_s if median_s is not None else min_s}
+
+
+def test_the_rule_leaves_the_default_only_for_a_clear_win():
+    order = ("cpp", "torch-sdpa")
+    assert decide({"cpp": t(1.0), "torch-sdpa": t(0.95)}, "cpp", order) == "cpp"  # 5%: within the margin
+    assert decide({"cpp": t(1.0), "torch-sdpa": t(0.85)}, "cpp", order) == "torch-sdpa"
+    # a lucky fastest run with a slow median does not move it
+    assert decide({"cpp": t(1.0, 1.0), "torch-sdpa": t(0.5, 1.2)}, "cpp", order) == "cpp"
+    # the default wins ties, and among others the fixed order decides
+    three = ("amx", "onednn", "torch")
+    assert decide({"amx": t(0.5), "onednn": t(0.5), "torch": t(1.0)}, "torch", three) == "amx"
+    assert decide({"amx": t(1.0), "onednn": t(1.0)}, "onednn", three) == "onednn"
+
+
+def test_bucket_for_picks_the_smallest_bucket_that_holds_the_batch():
+    assert [bucket_for(n, [1, 2, 4, 8]) for n in (1, 2, 3, 5, 8, 100)] == [1, 2, 4, 8, 8, 8]
+
+
+def _table(hardware: dict, dtype: str = "bfloat16") -> dict:
+    """A table choosing what the defaults are not: plain torch for the MLP's down projection, gather +
+    SDPA for one decode, one thread for small steps."""
+    entry = lambda default, choice: {"seconds": {}, "default": default, "choice": choice}  # noqa: E731
+    return {"format": tuning.FORMAT, "version": tuning.VERSION, "hardware": hardware, "buckets": [1, 4, 64],
+            "rule": tuning.RULE, "dtype": dtype,
+            "linear": {f"1536x576:{dtype}": entry("onednn", "torch")},
+            "decode_attention": {"1": entry("cpp", "torch-sdpa"), "4": entry("cpp", "cpp"), "64": entry("cpp", "cpp")},
+            "threads": {"1": entry("2", "1"), "4": entry("2", "1"), "64": entry("2", "2")}}
+
+
+@pytest.fixture(scope="module")
+def bf16_artifact(tmp_path_factory, embedded_artifact, cache_dir):
+    from infer.pipeline.build import build
+    from infer.pipeline.config import compose_recipe
+
+    out = tmp_path_factory.mktemp("tune") / "bf16"
+    return build(compose_recipe([f"model.source={embedded_artifact}", "model.dtype=bfloat16", "tune.enabled=false",
+                                 f"output_dir={out}", f"cache_dir={cache_dir}"])).artifact
+
+
+def test_a_table_from_other_hardware_is_ignored_with_one_warning_naming_what_differs(bf16_artifact, tmp_path, caplog):
+    from infer.runtime import LLM
+
+    other = {**tuning.hardware(), "cpu": "Some Other CPU", "amx": not tuning.hardware()["amx"]}
+    path = tuning.write(_table(other), tmp_path / "other.json")
+    with caplog.at_level(logging.WARNING, logger="infer.tuning"):
+        llm = LLM(bf16_artifact, tuning=str(path), kv_cache_memory=64 << 20)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "infer.tuning"]
+    assert len(warnings) == 1 and "Some Other CPU" in warnings[0] and "amx" in warnings[0], warnings
+    assert llm.engine.tuning is None
+    assert type(llm.engine.model.layers[0].mlp.down_proj).__name__ == "PackedLinear"  # the defaults
+
+
+def test_a_matching_table_is_followed_and_changes_no_output(bf16_artifact, tmp_path):
+    from infer.runtime import LLM, SamplingParams
+
+    path = tuning.write(_table(tuning.hardware()), tmp_path / "here.json")
+    tuned = LLM(bf16_artifact, tuning=str(path), kv_cache_memory=64 << 20)
+    plain = LLM(bf16_artifact, tuning="off", kv_cache_memory=64 << 20)
+    assert tuned.engine.tuning is not None and plain.engine.tuning is None
+    assert type(tuned.engine.model.layers[0].mlp.down_proj) is torch.nn.Linear  # the table's "torch"
+    assert type(tuned.engine.model.layers[0].mlp.gate_up_proj).__name__ == "PackedLinear"  # not in the table
+    runner = tuned.engine.runner
+    seen = []
+    original = runner._context
+
+    def spy(batch):
+        ids, positions, ctx = original(batch)
+        seen.append((len(batch.seqs), ctx.decode_kernel is None, torch.get_num_threads()))
+        return ids, positions, ctx
+
+    runner._context = spy
+    threads_before = torch.get_num_threads()
+    params = SamplingParams(max_tokens=6, temperature=0)
+    try:
+        one = tuned.generate(["The capital of France is"], params)[0]
+    finally:
+        runner._context = original
+        torch.set_num_threads(threads_before)
+    decodes = [s for s in seen[1:]]  # after the prompt step, one decode a step
+    assert decodes and all(no_kernel for _, no_kernel, _ in decodes)  # gather + SDPA at one decode
+    assert one.token_ids == plain.generate(["The capital of France is"], params)[0].token_ids
+    assert Tuning.load(path).changed() == ["linear[1536x576:bfloat16]: onednn -> torch",
+                                           "decode_attention[1]: cpp -> torch-sdpa",
+                                           "threads[1]: 2 -> 1", "threads[4]: 2 -> 1"]
+
+
+def test_measure_times_every_candidate_and_records_the_hardware(bf16_artifact):
+    table = tuning.measure(bf16_artifact, [1, 4])
+    assert table["hardware"] == tuning.hardware() and table["buckets"] == [1, 4]
+    for key, entry in table["linear"].items():
+        assert set(entry["seconds"]) >= {"onednn", "torch"} and entry["choice"] in entry["seconds"], key
+        assert all(set(per) == {"1", "4"} for per in entry["seconds"].values())
+    assert set(table["decode_attention"]) == {"1", "4"}
+    for entry in table["decode_attention"].values():
+        assert set(entry["seconds"]) == {"cpp", "torch-sdpa"} and entry["choice"] in entry["seconds"]
+        assert all(v["min"] <= v["median"] for v in entry["seconds"].values())
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_builds_write_a_table_and_tune_table_makes_them_byte_identical(tmp_path, embedded_artifact):
+    from infer.pipeline.build import build
+    from infer.pipeline.config import compose_recipe
+    from infer.runtime.artifact import verify_artifact
+
+    def make(name: str, *extra: str) -> Path:
+        return build(compose_recipe([f"model.source={embedded_artifact}", "tune.batch_buckets=[1,2]",
+                                     f"output_dir={tmp_path / name}", f"cache_dir={tmp_path / ('cache-' + name)}",
+                                     *extra])).artifact
+
+    a, b = make("a"), make("b")  # two fresh caches: measured twice
+    manifest = verify_artifact(a).manifest
+    assert "tuning.json" in manifest["files"] and manifest["tuning"]["source"] == "measured"
+    fa, fb = _files(a), _files(b)
+    assert fa.keys() == fb.keys()
+    assert {n for n in fa if fa[n] != fb[n]} <= {"tuning.json", "manifest.json"}
+    c, d = make("c", f"tune.table={a / 'tuning.json'}"), make("d", f"tune.table={a / 'tuning.json'}")
+    assert _files(c) == _files(d)
+    assert json.loads((c / "tuning.json").read_text()) == json.loads((a / "tuning.json").read_text())
+    assert verify_artifact(c).manifest["tuning"]["source"] == "tune.table"
+
+
+def test_a_bad_tune_table_fails_the_build_naming_the_key(tmp_path, embedded_artifact):
+    from infer.pipeline.build import BuildError, build
+    from infer.pipeline.config import compose_recipe
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "something-else"}')
+    with pytest.raises(BuildError, match="tune.table"):
+        build(compose_recipe([f"model.source={embedded_artifact}", f"tune.table={bad}",
+                              f"output_dir={tmp_path / 'out'}", f"cache_dir={tmp_path / 'cache'}"]))
+    assert not (tmp_path / "out").exists()
