@@ -1,8 +1,8 @@
 """The tune stage: the packaged artifact plus ``tuning.json``, the runtime's kernel choices per
 batch-size bucket measured on this machine (runtime/tuning.py says what is timed and the rule).
 
-Cached by the package's key and the hardware it measures on, so a rebuild on the same machine
-reuses the table; a build elsewhere measures anew, and its artifact differs only in tuning.json and
+The measurement (stage ``tune-measure``) is cached by the model files and the hardware, so a rebuild
+on the same machine, or another recipe of the same model, reuses the table; a build elsewhere measures anew, and its artifact differs only in tuning.json and
 the manifest that lists its hash (the model files are hard links of the package's, byte-identical).
 ``tune.table=FILE`` copies a given table instead of measuring: the whole artifact is then
 byte-identical from build to build and machine to machine.
@@ -37,31 +37,41 @@ def wanted(cfg: BuildConfig) -> bool:
 
 
 def tune_stage(cfg: BuildConfig, cache: Path, packaged: StageResult) -> StageResult:
-    """Measures (or copies ``tune.table``) and seals the tuned artifact as a cached stage."""
+    """Measures (or copies ``tune.table``) and seals the tuned artifact as a cached stage.
+
+    The measurement is a stage of its own, keyed by the model files and the hardware, so recipes that
+    differ only in what the manifest records (names, gates) share one table, and their evaluation."""
     given = Path(cfg.tune.table).expanduser() if cfg.tune.table else None
     if given is not None:
         try:
             Tuning.load(given)
         except TuningError as e:
             raise TuneError(f"tune.table: {e}") from None
-        source = {"table_sha256": sha256_file(given)}
+        source = "tune.table"
     else:
-        source = {"hardware": hardware(), "buckets": sorted(set(cfg.tune.batch_buckets))}
-    inputs = {"v": TUNE_VERSION, "package": packaged.key, **source}
+        files = json.loads((packaged.path / MANIFEST).read_text())["files"]
+        model = {k: v["sha256"] for k, v in files.items()}
+        measure_inputs = {"v": TUNE_VERSION, "model": model, "hardware": hardware(),
+                          "buckets": sorted(set(cfg.tune.batch_buckets))}
+        measured = run_stage(cache, "tune-measure", measure_inputs,
+                             lambda out: _measure(packaged.path, out, cfg.tune.batch_buckets))
+        given, source = measured.path / FILE, "measured"
+    inputs = {"v": TUNE_VERSION, "package": packaged.key, "table_sha256": sha256_file(given), "source": source}
     key = content_key("tune", inputs)
-    return run_stage(cache, "tune", inputs, lambda out: _tuned(packaged.path, out, cfg, given, key))
+    return run_stage(cache, "tune", inputs, lambda out: _tuned(packaged.path, out, given, source, key))
 
 
-def _tuned(packaged: Path, out: Path, cfg: BuildConfig, given: Path | None, key: str) -> dict:
+def _measure(packaged: Path, out: Path, buckets: list[int]) -> dict:
+    table = measure(packaged, buckets)
+    write(table, out / FILE)
+    log.info("tune: measured in %.1fs on %s", table["seconds"], table["hardware"]["cpu"])
+    return {"seconds": table["seconds"]}
+
+
+def _tuned(packaged: Path, out: Path, given: Path, source: str, key: str) -> dict:
     link_tree(packaged, out)
-    if given is not None:
-        table = json.loads(given.read_text())
-        write(table, out / FILE)
-        log.info("tune: reusing %s", given)
-    else:
-        table = measure(packaged, cfg.tune.batch_buckets)
-        write(table, out / FILE)
-        log.info("tune: measured in %.1fs on %s", table["seconds"], table["hardware"]["cpu"])
+    table = json.loads(given.read_text())
+    write(table, out / FILE)
     changed = Tuning(table).changed()
     for line in changed:
         log.info("tune: %s", line)
@@ -69,7 +79,7 @@ def _tuned(packaged: Path, out: Path, cfg: BuildConfig, given: Path | None, key:
     for k in ("files", "format", "format_version"):
         manifest.pop(k, None)
     manifest["stages"] = {**manifest.get("stages", {}), "tune": key}
-    manifest["tuning"] = {"file": FILE, "source": "tune.table" if given is not None else "measured",
+    manifest["tuning"] = {"file": FILE, "source": source,
                           "hardware": table["hardware"], "changed": changed}
     sealed = write_manifest(out, manifest)
     return {"files": len(sealed["files"]), "changed": changed}
