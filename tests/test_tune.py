@@ -81,10 +81,10 @@ def test_a_matching_table_is_followed_and_changes_no_output(bf16_artifact, tmp_p
     seen = []
     original = runner._context
 
-    def spy(batch):
-        ids, positions, ctx = original(batch)
-        seen.append((len(batch.seqs), ctx.decode_kernel is None, torch.get_num_threads()))
-        return ids, positions, ctx
+    def spy(inputs):
+        ctx = original(inputs)
+        seen.append((len(inputs.input_ids), ctx.decode_kernel is None, torch.get_num_threads()))
+        return ctx
 
     runner._context = spy
     threads_before = torch.get_num_threads()
