@@ -7,7 +7,8 @@ import sys
 USAGE = """usage: infer-bench {serve,offline,single,tune} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
-            requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s
+            requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s;
+            --target NAME=URL (repeated) runs one workload against each server, side by side
   offline   the engine's throughput on 64 mixed requests against transformers generate (no server)
   single    one request's decode speed against transformers generate at batch 1 (no server)
   tune      decode step time per batch bucket, the artifact's tuning.json against the defaults

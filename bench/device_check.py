@@ -12,7 +12,13 @@ shapes of Qwen2.5-7B (hidden 3584, 28 heads, 4 KV heads, head_dim 128, intermedi
 3. decode attention at batch 1-16 and contexts 1k-4k, and the W4A16 GEMM at batch 1-16 on the
    four projection shapes: achieved bandwidth as a share of (2), next to torch's dense bf16 matmul;
 4. the decode step of a stack of ``--layers`` layers built from these kernels, eager and replayed
-   as a CUDA graph (kernels/cuda_graphs.py), and the graph's rows checked against the eager step.
+   as a CUDA graph (kernels/cuda_graphs.py), and the graph's rows checked against the eager step;
+5. the engine end to end: a tiny random Llama (2 layers, hidden 256) written as an HF checkpoint and
+   sealed as an artifact in a temp dir, run by ``LLMEngine`` with device=cuda, kernels=triton (CUDA
+   graphs on, then off), its greedy tokens compared with device=cpu, kernels=torch (16 tokens, 4
+   prompts), and the engine's decode step time with and without graphs at batch 1 and 8. Under
+   ``--smoke`` there is no CUDA: the same comparison runs on the CPU (kernels=triton interpreted
+   against torch; no graphs, no timings), which checks the section's own code.
 Writes ``$OUT/device_check.json`` when $OUT is set, else bench/results/device_check.json, and
 prints a table.
 """
@@ -348,6 +354,121 @@ def decode_step(T, cg, shape, layers, device, smoke):
     return rows
 
 
+# ---------------------------------------------------------------------------- 5. the engine
+
+ENGINE_MODEL = dict(vocab=512, hidden=256, inter=512, layers=2, heads=4, kv_heads=2, max_positions=256)
+
+
+def tiny_artifact(root: Path, m: dict, seed: int = 0) -> Path:
+    """A random Llama as an HF checkpoint (config.json, model.safetensors, a word-level tokenizer.json),
+    sealed with a manifest so that the engine verifies and loads it like any built artifact. Weights
+    are large enough (std 0.1) that each greedy step has a clear argmax: CPU and GPU agree on tokens."""
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from infer.runtime.artifact import write_manifest
+
+    root.mkdir(parents=True, exist_ok=True)
+    h, d = m["hidden"], m["hidden"] // m["heads"]
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *shape: (torch.randn(*shape, generator=g) * 0.1).contiguous()  # noqa: E731
+    tensors = {"model.embed_tokens.weight": torch.randn(m["vocab"], h, generator=g),
+               "model.norm.weight": torch.ones(h)}
+    for i in range(m["layers"]):
+        p = f"model.layers.{i}."
+        tensors.update({p + "self_attn.q_proj.weight": w(m["heads"] * d, h),
+                        p + "self_attn.k_proj.weight": w(m["kv_heads"] * d, h),
+                        p + "self_attn.v_proj.weight": w(m["kv_heads"] * d, h),
+                        p + "self_attn.o_proj.weight": w(h, m["heads"] * d),
+                        p + "mlp.gate_proj.weight": w(m["inter"], h), p + "mlp.up_proj.weight": w(m["inter"], h),
+                        p + "mlp.down_proj.weight": w(h, m["inter"]),
+                        p + "input_layernorm.weight": torch.ones(h), p + "post_attention_layernorm.weight": torch.ones(h)})
+    save_file(tensors, str(root / "model.safetensors"))
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": m["vocab"],
+              "hidden_size": h, "intermediate_size": m["inter"], "num_hidden_layers": m["layers"],
+              "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"], "rms_norm_eps": 1e-6,
+              "rope_theta": 10000.0, "max_position_embeddings": m["max_positions"], "tie_word_embeddings": True,
+              "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1}
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(m["vocab"])}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(root / "tokenizer.json"))
+    write_manifest(root, {"name": "device-check-tiny", "version": "0"})
+    return root
+
+
+def generate(engine, prompts, max_tokens):
+    """Greedy tokens of each prompt (ids), and each step's wall time in ms (a step ends with the
+    sampled ids back on the host, so it is synchronous)."""
+    from infer.runtime import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    tokens, times = {}, []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.token_ids
+        times.append((time.perf_counter() - t0) * 1e3)
+    return [tokens[f"r{i}"] for i in range(len(prompts))], times
+
+
+def engine_check(device_type: str, smoke: bool):
+    """The engine's tokens on ``device_type`` with the triton kernels against the CPU with torch ops;
+    on CUDA with graphs on and off, and the decode step times of both."""
+    import tempfile
+
+    import torch
+
+    from infer.runtime import LLMEngine
+
+    m = ENGINE_MODEL if not smoke else {**ENGINE_MODEL, "hidden": 64, "inter": 128, "vocab": 128}
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, m["vocab"], (n,), generator=g).tolist() for n in (3, 17, 40, 9)]
+    common = dict(dtype="float32", kv_cache_memory=64 << 20, max_num_seqs=16)
+    out = {"model": m, "prompts": [len(p) for p in prompts], "new_tokens": 16}
+    with tempfile.TemporaryDirectory() as tmp:
+        art = tiny_artifact(Path(tmp) / "art", m)
+        ref, _ = generate(LLMEngine(art, device="cpu", kernels="torch", **common), prompts, 16)
+        runs = {"graphs": dict(cuda_graphs=True), "eager": dict(cuda_graphs=False)} if device_type == "cuda" \
+            else {"eager": {}}
+        engines = {}
+        for name, extra in runs.items():
+            engine = engines[name] = LLMEngine(art, device=device_type, kernels="triton", **common, **extra)
+            placed = {"model": str(engine.model.device), "kv_cache": str(engine.runner.kv_cache.device)}
+            graphs = engine.runner.graphs
+            replays = []  # one fill of the static buffers per padded decode step (a replay on CUDA)
+            if graphs is not None:
+                fill = graphs.buffers.fill
+                graphs.buffers.fill = lambda x, bucket, _f=fill: replays.append(bucket) or _f(x, bucket)
+            got, _ = generate(engine, prompts, 16)
+            same = [a == b for a, b in zip(got, ref)]
+            out[name] = {"placed": placed, "tokens_equal_cpu_torch": same,
+                         "first_difference": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                              for a, b in zip(got, ref)],
+                         "graphs_captured": sorted(graphs.graphs) if graphs is not None else [],
+                         "decode_steps_replayed": len(replays)}
+        if device_type == "cuda" and not smoke:
+            short = [p[:4] for p in prompts]
+            for name, engine in engines.items():
+                rows = []
+                for batch in (1, 8):
+                    generate(engine, (short * 2)[:batch], 8)  # warm: the first steps at this batch
+                    _, times = generate(engine, (short * 2)[:batch], 48)
+                    decode = times[2:]  # after the prompt step: one decode a step for every sequence
+                    rows.append({"batch": batch, "step_ms_median": round(statistics.median(decode), 3),
+                                 "step_ms_min": round(min(decode), 3), "steps": len(decode)})
+                out[name]["decode_step"] = rows
+            out["graph_speedup"] = [round(e["step_ms_median"] / g_["step_ms_median"], 2)
+                                    for e, g_ in zip(out["eager"]["decode_step"], out["graphs"]["decode_step"])]
+    out["ok"] = all(all(out[n]["tokens_equal_cpu_torch"]) for n in runs) and \
+        (device_type != "cuda" or out["graphs"]["decode_steps_replayed"] > 0)
+    return out
+
+
 # ---------------------------------------------------------------------------- the command
 
 def print_table(report: Report) -> None:
@@ -400,6 +521,10 @@ def main(argv=None) -> int:
     print(json.dumps(env), flush=True)
 
     report.run("correctness", lambda: correctness(T, shape, device, args.smoke), need_s=60)
+    if args.smoke:
+        print("[engine] --smoke: no CUDA here, so the CUDA engine and its graphs do not run; the same token "
+              "comparison runs on the CPU (kernels=triton interpreted against torch)", flush=True)
+    report.run("engine", lambda: engine_check(device.type, args.smoke), need_s=90)
     hbm = report.run("hbm_bandwidth", lambda: hbm_bandwidth(device), need_s=20, skip=no_timing)
     peak = (hbm or {}).get("reference_gbps")
     no_peak = no_timing or (None if peak else "no HBM bandwidth measured to compare with")
@@ -418,6 +543,7 @@ def main(argv=None) -> int:
     failed = [k for k, v in (report.sections.get("correctness", {}).get("result") or {}).items() if not v["ok"]]
     failed += [f"decode_step batch {r['batch']}" for r in report.sections.get("decode_step", {}).get("result") or []
                if not r.get("ok", True)]
+    failed += ["engine"] if not (report.sections.get("engine", {}).get("result") or {"ok": True})["ok"] else []
     errors = [k for k, v in report.sections.items() if "error" in v]
     if failed or errors:
         print(f"FAILED: {failed + errors}")

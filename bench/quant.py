@@ -49,6 +49,7 @@ SCHEMES = {
     "fp8": ("FP8 dynamic (layer 29's MLP in float)", ["recipe=smollm2_135m_fp8"]),
     "w8a8": ("W8A8, SmoothQuant strength chosen by the gates", ["recipe=smollm2_135m_w8a8"]),
     "gptq": ("W4A16 GPTQ g64 sym", ["recipe=smollm2_135m_gptq"]),
+    "gptq_raw": ("W4A16 GPTQ g64 sym, raw-text calibration only", ["recipe=smollm2_135m_gptq", "calib.chat_fraction=0"]),
     "gptq_llmc": ("W4A16 GPTQ g64 sym, llm-compressor driven directly", None),
     "gptq_auto": ("W4A16 GPTQ g64, accuracy-gated mixed precision", ["recipe=smollm2_135m_gptq_auto"]),
     "gptq_g32_asym": ("W4A16 GPTQ g32 asym", ["recipe=smollm2_135m_gptq_g32_asym"]),

@@ -1,10 +1,15 @@
-"""``infer-bench serve``: load an OpenAI-compatible server with Poisson arrivals and measure latency.
+"""``infer-bench serve``: load OpenAI-compatible servers with Poisson arrivals and measure latency.
 
 Every request streams (``/v1/completions``, or ``/v1/chat/completions`` for chat datasets); the
 client times the first token (TTFT), the gaps between tokens (ITL), time per output token after the
 first (TPOT) and end-to-end latency. Queue time is what the server reports per request (infer's
 ``metrics`` field on the final chunk); a server that does not report it shows n/a. Output tokens
 are counted from the final usage (``stream_options.include_usage``).
+
+``--url`` loads one server. ``--target NAME=URL[@MODEL]`` (repeatable) runs the same workload (the
+same prompts, output lengths and arrival times) against each target in turn, prints them side by
+side, and writes one JSON entry per target in the fields of vLLM's ``vllm bench serve
+--save-result``, so that either tool's results read the same.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import random
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -65,22 +71,73 @@ def load_dataset(path: str, n: int, default_max_tokens: int, rng: random.Random)
     return [rows[i % len(rows)] for i in range(n)] if len(rows) >= n else [rng.choice(rows) for _ in range(n)]
 
 
+def load_tokenizer(path: str):
+    """A ``tokenizers`` tokenizer from an artifact or model directory (its tokenizer.json) or the file."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise SystemExit(f"infer-bench: error: --tokenizer {path}: no tokenizer.json there")
+    return Tokenizer.from_file(str(file))
+
+
+def exact_length_text(tok, ids: list[int], length: int, allowed: list[int], rng: random.Random) -> tuple[str, int]:
+    """Text that encodes to ``length`` tokens, from ``ids``: decoded text can re-encode to another
+    count, so decode, re-encode, then pad with random allowed ids or cut, up to 10 times (as vLLM's
+    random dataset does). Returns the text and the token count it encodes to."""
+    for _ in range(10):
+        text = tok.decode(ids, skip_special_tokens=False)
+        ids = tok.encode(text, add_special_tokens=False).ids
+        if len(ids) == length:
+            return text, length
+        ids = ids[:length] if len(ids) > length else ids + [rng.choice(allowed) for _ in range(length - len(ids))]
+    text = tok.decode(ids, skip_special_tokens=False)
+    return text, len(tok.encode(text, add_special_tokens=False).ids)
+
+
 def random_workload(n: int, input_len: int, output_len: int, range_ratio: float, vocab: int | None,
-                    rng: random.Random) -> list[dict]:
-    """Random lengths uniform in [len * (1 - r), len * (1 + r)], as the engine benchmark draws them."""
+                    rng: random.Random, tokenizer=None) -> list[dict]:
+    """Random lengths uniform in [len * (1 - r), len * (1 + r)], as the engine benchmark draws them.
+
+    With a tokenizer (the servers'), each prompt is text of exactly its drawn length in tokens, built
+    as vLLM's random dataset builds it: consecutive non-special token ids from a random offset, decoded.
+    Else, with ``vocab`` (every target reports that vocabulary size), the prompt is the token ids
+    themselves; else words, whose token count only the server knows (``prompt_len`` None)."""
     def draw(length):
         lo, hi = max(1, int(length * (1 - range_ratio))), max(1, int(length * (1 + range_ratio)))
         return rng.randint(lo, hi)
 
+    if tokenizer is not None:
+        special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+        allowed = [i for i in range(tokenizer.get_vocab_size(with_added_tokens=True)) if i not in special]
+        reserved = tokenizer.num_special_tokens_to_add(False)  # what the server's encoding adds (BOS)
     items = []
-    for _ in range(n):
+    for i in range(n):
         k = draw(input_len)
-        if vocab:  # exact prompt lengths: token ids, away from the special tokens at the start of the vocabulary
+        if tokenizer is not None:
+            offset = rng.randrange(len(allowed))
+            k = max(1, k - reserved)
+            ids = [allowed[(offset + i + j) % len(allowed)] for j in range(k)]
+            prompt, prompt_len = exact_length_text(tokenizer, ids, k, allowed, rng)
+        elif vocab:  # exact prompt lengths: token ids, away from the special tokens at the start of the vocabulary
             prompt = [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(k)]
+            prompt_len = k
         else:
             prompt = " ".join(rng.choice(WORDS) for _ in range(k))
-        items.append({"prompt": prompt, "max_tokens": draw(output_len)})
+            prompt_len = None
+        items.append({"prompt": prompt, "max_tokens": draw(output_len), "prompt_len": prompt_len})
     return items
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the start at which each request is sent: a Poisson process of ``rate`` per second
+    (all at 0 for an infinite rate). The same seed gives every target the same times."""
+    rng = random.Random(seed + 1)
+    offsets = [0.0]
+    for _ in range(n - 1):
+        offsets.append(offsets[-1] + (0.0 if rate == math.inf else rng.expovariate(rate)))
+    return offsets
 
 
 # ------------------------------------------------------------------------------ requests
@@ -144,8 +201,8 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str, item: dict
     return res
 
 
-async def run(args, items: list[dict], model: str) -> tuple[list[Result], float]:
-    rng = random.Random(args.seed + 1)
+async def run(args, items: list[dict], base: str, model: str, offsets: list[float]) -> tuple[list[Result], float]:
+    """Sends ``items[i]`` at ``offsets[i]`` seconds from the start; returns the results and the duration."""
     limits = httpx.Limits(max_connections=args.max_concurrency or 1000, max_keepalive_connections=64)
     sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
     results: list[Result | None] = [None] * len(items)
@@ -155,17 +212,18 @@ async def run(args, items: list[dict], model: str) -> tuple[list[Result], float]
         async def fire(i, item):
             if sem:
                 async with sem:
-                    results[i] = await one_request(http, args.url, model, item, args)
+                    results[i] = await one_request(http, base, model, item, args)
             else:
-                results[i] = await one_request(http, args.url, model, item, args)
+                results[i] = await one_request(http, base, model, item, args)
             bar.update()
 
         t0 = time.perf_counter()
         tasks = []
         for i, item in enumerate(items):
+            delay = t0 + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(fire(i, item)))
-            if args.rate != math.inf and i + 1 < len(items):
-                await asyncio.sleep(rng.expovariate(args.rate))  # Poisson arrivals
         await asyncio.wait(tasks, timeout=args.timeout + 60)
         duration = time.perf_counter() - t0
     bar.close()
@@ -231,6 +289,68 @@ def table(s: dict, args) -> str:
     return "\n".join(lines)
 
 
+def _ms_stats(name: str, seconds: list[float]) -> dict:
+    """vLLM's statistics of one latency in ms: mean, median, population std, p50, p99 (0 when empty, as vLLM)."""
+    v = [x * 1000 for x in seconds] or [0.0]
+    mean = sum(v) / len(v)
+    return {f"mean_{name}_ms": mean, f"median_{name}_ms": percentile(v, 50),
+            f"std_{name}_ms": math.sqrt(sum((x - mean) ** 2 for x in v) / len(v)),
+            f"p50_{name}_ms": percentile(v, 50), f"p99_{name}_ms": percentile(v, 99)}
+
+
+def vllm_result(results: list[Result], items: list[dict], duration: float, args) -> dict:
+    """One run in the fields of ``vllm bench serve --save-result`` (with its per-request lists).
+
+    A prompt's length is the workload's own count where it knows it (token ids, or text made to a
+    length under --tokenizer), else what the server reported using. Failed requests count 0
+    output tokens and a TTFT of 0 in the lists, and stay out of every statistic, as in vLLM."""
+    ok = [r for r in results if r.ok]
+    input_lens = [it.get("prompt_len") or r.prompt_tokens for r, it in zip(results, items)]
+    output_lens = [r.output_tokens if r.ok else 0 for r in results]
+    total_input = sum(n for n, r in zip(input_lens, results) if r.ok)
+    total_output = sum(output_lens)
+    entry = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "num_prompts": len(results), "request_rate": "inf" if args.rate == math.inf else args.rate,
+        "burstiness": 1.0, "max_concurrency": args.max_concurrency,
+        "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": total_input, "total_output_tokens": total_output,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": total_output / duration if duration else 0.0,
+        "total_token_throughput": (total_input + total_output) / duration if duration else 0.0,
+        "input_lens": input_lens, "output_lens": output_lens,
+        "ttfts": [(r.ttft or 0.0) for r in results], "itls": [r.itl for r in results],
+        "errors": [r.error or "" for r in results],
+    }
+    for name, vals in (("ttft", [r.ttft for r in ok if r.ttft is not None]),
+                       ("tpot", [r.tpot for r in ok if r.tpot is not None]),
+                       ("itl", [x for r in ok for x in r.itl]),
+                       ("e2el", [r.e2e for r in ok if r.e2e is not None])):
+        entry.update(_ms_stats(name, vals))
+    return entry
+
+
+def compare_table(entries: dict[str, dict], workload: str) -> str:
+    """The targets side by side: one column each."""
+    width = max(12, *(len(n) + 2 for n in entries))
+    rows = [("completed / failed", lambda e: f"{e['completed']} / {e['failed']}"),
+            ("duration (s)", lambda e: f"{e['duration']:.1f}"),
+            ("request/s", lambda e: f"{e['request_throughput']:.3f}"),
+            ("output tok/s", lambda e: f"{e['output_throughput']:.2f}"),
+            ("input / output tokens", lambda e: f"{e['total_input_tokens']} / {e['total_output_tokens']}")]
+    for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
+        for q in ("p50", "p99"):
+            rows.append((f"{label} {q} (ms)", lambda e, k=f"{q}_{key}_ms": f"{e[k]:.1f}"))
+    lines = [f"infer-bench serve: {workload}", "",
+             f"  {'':<24}" + "".join(f"{name:>{width}}" for name in entries)]
+    lines += [f"  {label:<24}" + "".join(f"{cell(e):>{width}}" for e in entries.values()) for label, cell in rows]
+    for name, e in entries.items():
+        errors = sorted({x for x in e["errors"] if x})[:5]
+        if errors:
+            lines += ["", f"  {name} errors:"] + [f"    {x}" for x in errors]
+    return "\n".join(lines)
+
+
 def plot(results: list[Result], path: str, title: str) -> None:
     import matplotlib
 
@@ -260,64 +380,155 @@ def plot(results: list[Result], path: str, title: str) -> None:
 
 
 # ------------------------------------------------------------------------------ CLI
+def parse_target(text: str) -> tuple[str, str, str | None]:
+    """``NAME=URL[@MODEL]`` as (name, base URL, model or None)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name or not rest:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=URL or NAME=URL@MODEL")
+    url, _, model = rest.partition("@")
+    return name, url.rstrip("/").removesuffix("/v1"), model or None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="infer-bench serve",
-                                description="Load an OpenAI-compatible server with Poisson arrivals of streaming "
+                                description="Load OpenAI-compatible servers with Poisson arrivals of streaming "
                                             "requests; report TTFT, TPOT, ITL, end-to-end and queue time.")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default http://127.0.0.1:8000)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="one server's base URL (default http://127.0.0.1:8000)")
+    where.add_argument("--target", action="append", type=parse_target, metavar="NAME=URL[@MODEL]",
+                       help="a server to compare, repeatable: each runs the same workload in turn (same prompts, "
+                            "same arrival times); a side-by-side table, and --json in vLLM's result fields. "
+                            "MODEL: the name to request (default --model, else the first of its /v1/models)")
     p.add_argument("--requests", type=int, default=64, help="number of requests (default 64)")
     p.add_argument("--rate", type=float, default=math.inf,
                    help="mean arrival rate in requests/s, Poisson (default inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
+    p.add_argument("--dataset-name", choices=["random", "jsonl"], default=None,
+                   help="random prompts, or the JSONL file of --dataset (default: jsonl with --dataset, else random)")
     p.add_argument("--dataset", default=None,
-                   help="JSONL of {\"prompt\": ...} or {\"messages\": [...]} (optional \"max_tokens\"); default random")
-    p.add_argument("--input-len", type=int, default=128, help="random workload: mean prompt tokens (default 128)")
-    p.add_argument("--output-len", type=int, default=32, help="mean output tokens (default 32)")
-    p.add_argument("--range-ratio", type=float, default=0.5,
-                   help="random lengths are uniform in [len*(1-r), len*(1+r)] (default 0.5)")
+                   help="JSONL of {\"prompt\": ...} or {\"messages\": [...]} (optional \"max_tokens\")")
+    p.add_argument("--input-len", type=int, default=128, help="random workload: prompt tokens (default 128)")
+    p.add_argument("--output-len", type=int, default=32, help="output tokens (default 32)")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random lengths are uniform in [len*(1-r), len*(1+r)] (default 0: exactly the lengths given)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the servers' tokenizer (an artifact or model directory, or its tokenizer.json): random "
+                        "prompts become text of exactly their length in tokens, as vLLM's random dataset makes "
+                        "them (default: token ids where every target reports the same vocabulary size in "
+                        "/tokenizer_info, else words)")
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let requests stop at EOS (default: ignore it so output lengths are as drawn)")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="send ignore_eos so each output runs to its max_tokens (default on; --no-ignore-eos lets "
+                        "requests stop at EOS)")
     p.add_argument("--model", default=None, help="model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None, help="bearer token (default $INFER_API_KEY / $OPENAI_API_KEY)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds (default 600)")
     p.add_argument("--json", default=None, help="write the summary and per-request records here")
-    p.add_argument("--plot", default=None, help="write a PNG of the latency distributions here")
+    p.add_argument("--plot", default=None, help="--url only: write a PNG of the latency distributions here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     if args.requests < 1 or args.rate <= 0:
         p.error("--requests must be >= 1 and --rate > 0")
+    if not 0 <= args.range_ratio < 1:
+        p.error("--range-ratio must be in [0, 1)")
+    args.dataset_name = args.dataset_name or ("jsonl" if args.dataset else "random")
+    if (args.dataset_name == "jsonl") != bool(args.dataset):
+        p.error("--dataset-name jsonl needs --dataset FILE, and --dataset is a jsonl dataset")
+    if args.tokenizer and args.dataset_name != "random":
+        p.error("--tokenizer makes random prompts; a --dataset brings its own")
+    if args.target:
+        names = [t[0] for t in args.target]
+        if len(set(names)) != len(names):
+            p.error(f"--target names must differ: {', '.join(names)}")
+        if args.plot:
+            p.error("--plot draws one server's distributions: use it with --url")
     if args.api_key is None:
         import os
 
         args.api_key = os.environ.get("INFER_API_KEY") or os.environ.get("OPENAI_API_KEY") or None
-    args.url = args.url.rstrip("/").removesuffix("/v1")
+    if not args.target:
+        args.url = (args.url or "http://127.0.0.1:8000").rstrip("/").removesuffix("/v1")
     return args
+
+
+def probe(http: httpx.Client, url: str, model: str | None, want_vocab: bool) -> tuple[str, int | None]:
+    """A server's model name (``model``, else the first of its /v1/models) and, when asked, the
+    vocabulary size its /tokenizer_info reports (None where it has none)."""
+    models = http.get(f"{url}/v1/models")
+    models.raise_for_status()
+    model = model or models.json()["data"][0]["id"]
+    vocab = None
+    if want_vocab:
+        info = http.get(f"{url}/tokenizer_info")
+        vocab = info.json().get("vocab_size") if info.status_code == 200 else None
+    return model, vocab
+
+
+def describe_workload(args, items: list[dict], vocab: int | None) -> str:
+    if args.dataset_name == "jsonl":
+        prompts = f"prompts from {args.dataset}"
+    else:
+        spread = f" (±{args.range_ratio:.0%})" if args.range_ratio else ""
+        kind = (f"text made to length with {args.tokenizer}" if args.tokenizer else
+                "token ids" if vocab else "words; lengths as each server counts them")
+        prompts = f"random prompts of {args.input_len} tokens{spread} ({kind}), outputs of {args.output_len}{spread}"
+    eos = "ignore_eos" if args.ignore_eos else "may stop at EOS"
+    return f"{len(items)} requests at {args.rate:g} req/s (Poisson, seed {args.seed}); {prompts}; {eos}"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    try:
-        with httpx.Client(timeout=30, headers=_headers(args)) as http:
-            models = http.get(f"{args.url}/v1/models")
-            models.raise_for_status()
-            model = args.model or models.json()["data"][0]["id"]
-            vocab = None
-            if not args.dataset:
-                info = http.get(f"{args.url}/tokenizer_info")
-                vocab = info.json().get("vocab_size") if info.status_code == 200 else None
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        print(f"infer-bench: error: cannot reach a server at {args.url}: {e}", file=sys.stderr)
-        return 1
-    items = (load_dataset(args.dataset, args.requests, args.output_len, rng) if args.dataset else
-             random_workload(args.requests, args.input_len, args.output_len, args.range_ratio, vocab, rng))
-    results, duration = asyncio.run(run(args, items, model))
+    targets = args.target or [("", args.url, None)]
+    want_vocab = args.dataset_name == "random" and not args.tokenizer
+    models, vocabs = {}, []
+    with httpx.Client(timeout=30, headers=_headers(args)) as http:
+        for name, url, model in targets:
+            try:
+                models[name], vocab = probe(http, url, model or args.model, want_vocab)
+            except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
+                print(f"infer-bench: error: cannot reach a server at {url}: {e}", file=sys.stderr)
+                return 1
+            vocabs.append(vocab)
+    vocab = vocabs[0] if want_vocab and len(set(vocabs)) == 1 else None  # token ids only where all agree
+    if args.dataset_name == "jsonl":
+        items = load_dataset(args.dataset, args.requests, args.output_len, rng)
+    else:
+        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+        items = random_workload(args.requests, args.input_len, args.output_len, args.range_ratio, vocab, rng,
+                                tokenizer)
+    offsets = arrival_offsets(len(items), args.rate, args.seed)
+    config = {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"}
+    if not args.target:
+        return report_one(args, items, offsets, models[""], config)
+
+    workload = describe_workload(args, items, vocab)
+    entries = {}
+    for name, url, _ in targets:
+        print(f"infer-bench serve: {name} ({url}, model {models[name]}): {workload}", file=sys.stderr, flush=True)
+        # one request first, not counted (as vLLM's client does): a server's one-off first-call costs stay out
+        warm, _ = asyncio.run(run(args, items[:1], url, models[name], [0.0]))
+        if not warm[0].ok:
+            print(f"infer-bench: error: {name}: the warm-up request failed: {warm[0].error}", file=sys.stderr)
+            return 1
+        results, duration = asyncio.run(run(args, items, url, models[name], offsets))
+        entries[name] = {"label": name, "base_url": url, "model_id": models[name],
+                         **vllm_result(results, items, duration, args)}
+    print(compare_table(entries, workload))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"config": config, "workload": workload, "targets": entries},
+                                              indent=2) + "\n")
+        print(f"  json: {args.json}")
+    return 0 if all(e["failed"] == 0 for e in entries.values()) else 1
+
+
+def report_one(args, items: list[dict], offsets: list[float], model: str, config: dict) -> int:
+    """``--url``: one server's table, JSON (config, summary, every request) and plot."""
+    results, duration = asyncio.run(run(args, items, args.url, model, offsets))
     summary = summarize(results, duration)
     print(table(summary, args))
     if args.json:
-        config = {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"}
         Path(args.json).write_text(json.dumps({"config": config, "model": model, "summary": summary,
                                                "requests": [asdict(r) for r in results]}, indent=2) + "\n")
         print(f"  json: {args.json}")

@@ -34,6 +34,13 @@ def choose_bucket(num_seqs: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> 
     return None
 
 
+def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
+    """The buckets an engine of ``max_batch`` sequences can use: none past the one that holds
+    ``max_batch`` (a graph for 64 rows is wasted memory when at most 5 sequences run)."""
+    top = choose_bucket(max_batch, buckets)
+    return tuple(b for b in sorted(buckets) if top is None or b <= top)
+
+
 @dataclass
 class DecodeInputs:
     """One decode step's inputs, one row per sequence."""
@@ -123,10 +130,16 @@ class GraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
 
+    def bucket(self, inputs: DecodeInputs) -> int | None:
+        """The bucket this batch runs at, or None when it fits no static buffer (it runs eagerly)."""
+        if inputs.block_tables.shape[1] > self.buffers.max_blocks:
+            return None
+        return choose_bucket(inputs.num_seqs, self.buckets)
+
     def __call__(self, inputs: DecodeInputs) -> torch.Tensor:
         n = inputs.num_seqs
-        bucket = choose_bucket(n, self.buckets)
-        if bucket is None or inputs.block_tables.shape[1] > self.buffers.max_blocks:
+        bucket = self.bucket(inputs)
+        if bucket is None:
             return self.step(inputs)  # larger than any graph: eagerly, unpadded
         static = self.buffers.fill(inputs, bucket)
         if not self.use_graphs:
@@ -138,7 +151,10 @@ class GraphRunner:
 
     def capture_all(self) -> None:
         """Captures every bucket now, on padding-only inputs (they write nowhere), largest first so
-        the smaller graphs fit in the memory pool the largest one allocated."""
+        the smaller graphs fit in the memory pool the largest one allocated. Nothing to capture
+        without graphs (the CPU, ``use_graphs=False``): the padded step runs eagerly there."""
+        if not self.use_graphs:
+            return
         for bucket in reversed(self.buckets):
             if bucket not in self.graphs:
                 self.buffers.fill(DecodeInputs(*(getattr(self.buffers.full, f.name)[:0]

@@ -13,6 +13,9 @@ the load log, ``/version`` and the benchmarks.
   RMSNorm / rotary / SiLU-and-multiply) for a model on a CUDA device; on CPU tensors they run only
   under ``TRITON_INTERPRET=1``, which is how the tests check the wiring without a GPU.
 
+``device`` (``resolve_device("auto" | "cpu" | "cuda")``): on a CUDA device ``auto`` is ``triton``,
+``torch`` runs plain torch ops there, and ``cpp`` is refused: the C++ kernels read CPU memory only.
+
 ``amx``: None uses Intel AMX tiles where the CPU has them; False never does (the path every
 non-AMX host takes, forced on an AMX host to test it); True requires them. ``INFER_AMX=0`` sets
 the default to False for a whole process.
@@ -29,6 +32,7 @@ import torch
 
 log = logging.getLogger("infer.kernels")
 BACKENDS = ("auto", "cpp", "torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
 _LAYER_OPS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -74,11 +78,32 @@ def _amx_wanted(amx: bool | None) -> bool:
     return amx
 
 
+def resolve_device(setting: str = "auto") -> torch.device:
+    """Where the model, KV cache and sampler live: ``auto`` is the current CUDA device when torch
+    sees one, else the CPU; ``cuda`` without one is an error naming the fix."""
+    if setting not in DEVICES:
+        raise ValueError(f"device={setting!r}: choose one of {', '.join(DEVICES)}")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        why = ("this torch is a CPU-only build" if torch.version.cuda is None else
+               f"this torch (CUDA {torch.version.cuda}) finds no GPU: check nvidia-smi and CUDA_VISIBLE_DEVICES")
+        raise ValueError(f"device=cuda but torch sees no CUDA device ({why}); run with --device cpu (or auto), "
+                         f"or on a machine with an NVIDIA GPU and a CUDA build of torch")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
 def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtype = torch.float32,
-            head_dim: int = 64, block_size: int = 16) -> KernelSet:
-    """The kernels for a model of ``dtype`` with ``head_dim`` and a KV cache of ``block_size`` tokens a block."""
+            head_dim: int = 64, block_size: int = 16, device: torch.device | str = "cpu") -> KernelSet:
+    """The kernels for a model of ``dtype`` with ``head_dim`` and a KV cache of ``block_size`` tokens a block,
+    whose tensors live on ``device``."""
     if backend not in BACKENDS:
         raise ValueError(f"kernels={backend!r}: choose one of {', '.join(BACKENDS)}")
+    if torch.device(device).type == "cuda":
+        if backend == "cpp":
+            raise ValueError("kernels=cpp are the compiled C++ CPU kernels, which cannot read CUDA tensors: use "
+                             "--kernels auto or triton (or torch) with --device cuda, or --device cpu")
+        backend = "triton" if backend == "auto" else backend
     if backend == "torch":
         return KernelSet("torch", False, None, None, None, None, None, False)
     if backend == "triton":

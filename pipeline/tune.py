@@ -1,5 +1,7 @@
 """The tune stage: the packaged artifact plus ``tuning.json``, the runtime's kernel choices per
 batch-size bucket measured on this machine (runtime/tuning.py says what is timed and the rule).
+Where a CUDA GPU is present the measurement also captures the decode CUDA graphs once as a check
+(tuning.json's ``gpu`` section); without one it records nothing about graphs.
 
 The measurement (stage ``tune-measure``) is cached by the model files and the hardware, so a rebuild
 on the same machine, or another recipe of the same model, reuses the table; a build elsewhere measures anew, and its artifact differs only in tuning.json and
@@ -65,6 +67,11 @@ def _measure(packaged: Path, out: Path, buckets: list[int]) -> dict:
     table = measure(packaged, buckets)
     write(table, out / FILE)
     log.info("tune: measured in %.1fs on %s", table["seconds"], table["hardware"]["cpu"])
+    graphs = table.get("gpu", {}).get("cuda_graphs")  # only where a CUDA GPU is present (runtime/tuning.gpu_check)
+    if graphs is not None:
+        log.info("tune: on %s, %s", table["gpu"]["device"],
+                 f"CUDA graphs of decode buckets {graphs['buckets']} captured and replayed" if graphs["validated"]
+                 else f"CUDA graphs not checked: {graphs['why']}")
     return {"seconds": table["seconds"]}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from infer.kernels.resolver import BACKENDS, DEVICES
+
 from .artifact import ArtifactError, verify_artifact
 
 
@@ -30,10 +32,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--retune", action="store_true",
                    help="measure the kernel choices on this machine now (a minute or two), write them to "
                         "ARTIFACT.tuning.json beside the artifact (never into it), and use them")
-    p.add_argument("--kernels", choices=["auto", "cpp", "torch", "triton"], default="auto",
-                   help="auto: the compiled CPU kernels where they load, else torch ops; cpp: those or fail; "
-                        "torch: plain torch ops; triton: the GPU kernels (a CUDA device, or TRITON_INTERPRET=1 to check them "
-                        "on the CPU) (default auto; INFER_AMX=0 keeps AMX tiles off)")
+    p.add_argument("--kernels", choices=BACKENDS, default="auto",
+                   help="auto: triton on cuda; on cpu the compiled CPU kernels where they load, else torch ops; "
+                        "cpp: those or fail (cpu only); torch: plain torch ops; triton: the GPU kernels (a CUDA "
+                        "device, or TRITON_INTERPRET=1 to check them on the CPU) (default auto; INFER_AMX=0 keeps "
+                        "AMX tiles off)")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where the model, KV cache and sampler run: auto is cuda when torch sees a GPU, else cpu "
+                        "(default auto)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="on cuda with the triton kernels, replay decode steps as a CUDA graph per batch bucket, "
+                        "captured at load; --no-cuda-graphs runs every step eagerly (default on)")
     s = p.add_argument_group("server (without --prompt: an OpenAI-compatible HTTP API)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -47,6 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--max-body", type=int, default=32 << 20, help="largest request body in bytes (default 32 MiB)")
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (no bodies)")
+    s.add_argument("--step-trace", metavar="FILE", default=None,
+                   help="write one JSON line per engine step (phase times, batch shape, queues), with event-loop "
+                        "lag and stream delays, to FILE; summarise with python -m infer.bench.timeline FILE")
     args = p.parse_args(argv)
     if args.api_key is None:
         import os
@@ -72,7 +84,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(dtype=args.dtype, kv_cache_memory=parse_bytes(args.kv_cache_memory),
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        tuning=args.tuning)
+                        tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs)
 
 
 def retune(args: argparse.Namespace, artifact) -> None:
@@ -94,7 +106,7 @@ def server_config(args: argparse.Namespace):
 
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                         log_requests=args.log_requests, grace_period=args.grace_period, max_body=args.max_body,
-                        access_log=args.access_log, engine=engine_config(args))
+                        access_log=args.access_log, step_trace=args.step_trace, engine=engine_config(args))
 
 
 def answer(args: argparse.Namespace, artifact) -> int:

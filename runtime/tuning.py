@@ -22,6 +22,13 @@ has one fast backend, and the fallback (dequantize per call) is several times sl
 
 A table measured elsewhere is ignored with one warning naming what differs (never a refusal); the
 build's ``tune`` stage writes one into the artifact, ``infer-run ART --retune`` writes one next to it.
+
+On a machine with a CUDA GPU the table also gets a ``gpu`` section: the model loaded on the GPU with
+the triton kernels, every decode bucket's CUDA graph captured and replayed against the eager step
+(``gpu_check``); a capture that fails fails the measurement (without triton, or under its
+interpreter, the section says so and claims nothing). Without a GPU there is no such section:
+the table claims nothing about graphs. (The choices above are the CPU's: the runtime does not apply
+them on CUDA.)
 """
 
 from __future__ import annotations
@@ -65,9 +72,12 @@ def hardware() -> dict:
     except (OSError, StopIteration):
         pass
     flags = cpu_flags()
-    return {"cpu": model, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "amx": cpu_has_amx(),
-            "avx512_bf16": "avx512_bf16" in flags.split(), "cores": len(os.sched_getaffinity(0)),
-            "torch": torch.__version__}
+    hw = {"cpu": model, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "amx": cpu_has_amx(),
+          "avx512_bf16": "avx512_bf16" in flags.split(), "cores": len(os.sched_getaffinity(0)),
+          "torch": torch.__version__}
+    if torch.cuda.is_available():  # only then: a table from a machine without a GPU still matches one without
+        hw["gpu"] = torch.cuda.get_device_name()
+    return hw
 
 
 def differences(table_hw: dict, here: dict) -> list[str]:
@@ -312,8 +322,61 @@ def measure(model_dir: Path, buckets: list[int], block_size: int = 16, dtype: to
             log.warning("tuning: not choosing thread counts on a busy machine (load %.1f on %d cores)", load, cores)
         else:
             table["threads"] = measure_threads(model, kernels, buckets, block_size)
+    if torch.cuda.is_available():
+        table["gpu"] = gpu_check(model_dir, block_size, dtype)
     table["seconds"] = round(time.perf_counter() - t0, 1)
     return table
+
+
+def gpu_check(model_dir: Path, block_size: int = 16, dtype: torch.dtype | None = None) -> dict:
+    """Loads the model on the GPU with the triton kernels, captures every decode bucket's CUDA graph as
+    the engine does at load, and replays each against the same step run eagerly (on distinct tokens
+    and positions in padding rows, which write nowhere). Raises when capture or replay fails."""
+    from infer.kernels.resolver import resolve, resolve_device
+
+    from .engine.model_runner import ModelRunner, graph_buckets_for
+    from .model import load_model
+    from .model.llama import ModelConfig
+
+    device = resolve_device("cuda")
+    name = torch.cuda.get_device_name(device)
+    try:
+        from infer.kernels.triton_ops import interpreting
+    except ImportError as e:  # the runtime's GPU path cannot run here either: said, not claimed
+        return {"device": name, "cuda_graphs": {"validated": False, "why": f"triton is not installed ({e})"}}
+    if interpreting():  # (a test run on a GPU machine) the kernels run on the host: nothing to capture
+        return {"device": name, "cuda_graphs": {"validated": False, "why": "TRITON_INTERPRET=1"}}
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    cfg = ModelConfig.from_hf(config)
+    t0 = time.perf_counter()
+    model = load_model(model_dir, dtype, lambda d: resolve("triton", dtype=d, head_dim=cfg.head_dim,
+                                                             block_size=block_size, device=device),
+                       hf_config=config, device=device)
+    buckets = graph_buckets_for(device, "triton", True, 1 << 30)  # every bucket
+    num_blocks = -(-cfg.max_position_embeddings // block_size) + 1  # room for the widest block table
+    try:
+        runner = ModelRunner(model, num_blocks, block_size, model.kernels, device=device, graph_buckets=buckets)
+        graphs = runner.graphs
+        worst = 0.0
+        with torch.inference_mode():
+            for b in graphs.buckets:
+                view = graphs.buffers.view(b)
+                view.input_ids.copy_(torch.arange(b, device=device) % cfg.vocab_size)
+                view.positions.copy_(torch.arange(b, device=device))
+                eager = runner._decode_step(view).float()
+                graphs.graphs[b].replay()
+                replayed = graphs.outputs[b].float()
+                if not torch.isfinite(replayed).all():
+                    raise RuntimeError(f"bucket {b}: the replayed graph gave non-finite hidden states")
+                worst = max(worst, ((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-30)).item())
+        if worst > 1e-2:
+            raise RuntimeError(f"a replayed decode graph differs from the eager step by {worst:.2g} (relative)")
+        return {"device": name, "kernels": "triton",
+                "cuda_graphs": {"validated": True, "buckets": sorted(graphs.graphs),
+                                "replay_vs_eager_max_rel": worst, "seconds": round(time.perf_counter() - t0, 1)}}
+    except Exception as e:
+        raise TuningError(f"CUDA graph check on {name} failed ({type(e).__name__}: "
+                          f"{e}); infer-run --no-cuda-graphs runs eagerly meanwhile") from e
 
 
 def _kernel_of(module) -> str:

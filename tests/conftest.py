@@ -9,8 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Triton decides at import time (in @triton.jit, triton.language's own helpers included) whether kernels
+# are interpreted, and transformers imports triton as a side effect; so the choice is made here, before
+# any test module is collected. The kernel tests run CPU tensors through the interpreter on every host;
+# bench/device_check.py is what runs the compiled kernels on a GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 

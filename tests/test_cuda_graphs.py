@@ -157,3 +157,145 @@ def test_fill_pads_narrower_block_tables_and_refuses_what_does_not_fit():
         buffers.fill(random_batch(3), 2)
     with pytest.raises(ValueError, match="does not fit"):
         buffers.fill(random_batch(2, num_blocks=20, width=6), 2)
+
+
+# ---------------------------------------------------------------------------- the model runner's decode graphs
+
+def test_buckets_up_to_stops_at_the_bucket_that_holds_the_largest_batch():
+    from infer.kernels.cuda_graphs import DEFAULT_BUCKETS, buckets_up_to
+
+    assert buckets_up_to(1) == (1,)
+    assert buckets_up_to(5) == (1, 2, 4, 8)
+    assert buckets_up_to(64) == DEFAULT_BUCKETS
+    assert buckets_up_to(128) == DEFAULT_BUCKETS  # past the largest: every bucket, larger batches run eagerly
+
+
+def test_graphs_are_planned_only_on_cuda_with_the_triton_kernels():
+    from infer.runtime.engine.model_runner import graph_buckets_for
+
+    cuda = torch.device("cuda")  # a device name only: nothing runs on it
+    assert graph_buckets_for(cuda, "triton", True, 5) == (1, 2, 4, 8)
+    assert graph_buckets_for(cuda, "triton", False, 5) is None  # --no-cuda-graphs
+    assert graph_buckets_for(cuda, "torch", True, 5) is None  # index_copy_ cannot skip a padding slot
+    assert graph_buckets_for(torch.device("cpu"), "triton", True, 5) is None
+
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def triton_kernels():
+    from infer.kernels.resolver import resolve
+
+    return resolve("triton", dtype=torch.float32)
+
+
+def runners(triton_kernels, buckets):
+    """An eager runner and one that pads decode steps to ``buckets``, over one model and equal caches."""
+    from runner_helpers import tiny_model
+
+    from infer.runtime.engine.model_runner import ModelRunner
+
+    model = tiny_model(triton_kernels)
+    eager = ModelRunner(model, 40, BLOCK, triton_kernels)
+    padded = ModelRunner(model, 40, BLOCK, triton_kernels, graph_buckets=buckets)
+    cache = torch.randn_like(eager.kv_cache)
+    eager.kv_cache.copy_(cache)
+    padded.kv_cache.copy_(cache)
+    calls = []
+    step = padded.graphs.step
+    padded.graphs.step = lambda x: calls.append(x.num_seqs) or step(x)
+    return eager, padded, calls
+
+
+def test_decode_inputs_are_made_for_decode_only_steps_alone(triton_kernels):
+    from runner_helpers import batch
+
+    eager, _, _ = runners(triton_kernels, BUCKETS)
+    decodes = eager.prepare(batch([5, 9, 3], BLOCK, [True, True, True]))
+    x = decodes.decode_inputs()
+    assert x.num_seqs == 3 and x.input_ids is decodes.input_ids and x.slot_mapping is decodes.slots
+    assert x.block_tables is decodes.decode_blocks and torch.equal(x.context_lens, torch.tensor([5, 9, 3]))
+    assert eager.prepare(batch([5, 6], BLOCK, [True, False])).decode_inputs() is None  # a prompt chunk beside
+    decodes.decode_kernel = False  # the tuning chose gather + SDPA: not the path the graphs capture
+    assert decodes.decode_inputs() is None
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_the_runner_pads_a_decode_step_to_its_bucket_and_gets_the_eager_rows(triton_kernels, n):
+    """The real model and triton kernels (interpreted): what a captured graph computes, run eagerly."""
+    from runner_helpers import batch
+
+    eager, padded, calls = runners(triton_kernels, BUCKETS)
+    assert padded.graphs.buffers.max_blocks == 64 // BLOCK  # the widest table the model's positions need
+    untouched = padded.kv_cache.clone()
+    b = batch([5, 9, 3, 12, 7][:n], BLOCK, [True] * n)
+    want = eager.forward(eager.prepare(b))
+    got = padded.forward(padded.prepare(b))
+    bucket = choose_bucket(n, BUCKETS)
+    assert calls == [bucket]  # padded to the bucket
+    assert got.shape == want.shape == (n, 64)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(padded.kv_cache, eager.kv_cache, rtol=1e-5, atol=1e-5)
+    # only the batch's own slots changed: the padding rows (slot -1) wrote nowhere
+    slots = padded.prepare(b).slots
+    rows = padded.kv_cache.view(2, 2, -1, 2, 16)  # [layers, k/v, slots, kv_heads, d]
+    others = torch.ones(rows.shape[2], dtype=torch.bool)
+    others[slots] = False
+    assert torch.equal(rows[:, :, others], untouched.view(2, 2, -1, 2, 16)[:, :, others])
+    assert not torch.equal(rows[:, :, slots], untouched.view(2, 2, -1, 2, 16)[:, :, slots])
+    view = padded.graphs.buffers.view(bucket)
+    assert (view.slot_mapping[n:] == PAD_SLOT).all() and (view.context_lens[n:] == PAD_CONTEXT_LEN).all()
+
+
+def test_mixed_steps_and_batches_past_the_largest_bucket_run_eagerly(triton_kernels):
+    from runner_helpers import batch
+
+    eager, padded, calls = runners(triton_kernels, (1, 2))
+    before = padded.graphs.buffers.full.input_ids.clone()
+    for b in (batch([5, 6, 3], BLOCK, [True, False, True]), batch([5, 9, 3], BLOCK, [True, True, True])):
+        want = eager.forward(eager.prepare(b))
+        got = padded.forward(padded.prepare(b))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the very same eager call
+    assert calls == [] and torch.equal(padded.graphs.buffers.full.input_ids, before)
+
+
+def test_graphs_need_the_triton_kernels():
+    from runner_helpers import tiny_model
+
+    from infer.kernels.resolver import resolve
+    from infer.runtime.engine.model_runner import ModelRunner
+
+    kernels = resolve("torch")
+    with pytest.raises(ValueError, match="kernels=triton"):
+        ModelRunner(tiny_model(kernels), 40, BLOCK, kernels, graph_buckets=BUCKETS)
+
+
+def _compiled_cuda() -> bool:
+    from infer.kernels.triton_ops import interpreting
+
+    return torch.cuda.is_available() and not interpreting()
+
+
+@pytest.mark.skipif(not _compiled_cuda(), reason="needs a CUDA device and TRITON_INTERPRET=0 (absent here): the "
+                    "bucketing, padding and the runner's padded decode path are checked on the CPU above; "
+                    "bench/device_check.py's engine section captures and replays them on a GPU")
+def test_on_cuda_the_runner_captures_every_bucket_and_replays_the_eager_rows():
+    from runner_helpers import batch, tiny_model
+
+    from infer.kernels.resolver import resolve
+    from infer.runtime.engine.model_runner import ModelRunner
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    kernels = resolve("triton", dtype=torch.float32, device=device)
+    model = tiny_model(kernels).to(device)
+    eager = ModelRunner(model, 40, BLOCK, kernels)
+    graphed = ModelRunner(model, 40, BLOCK, kernels, graph_buckets=BUCKETS)
+    assert sorted(graphed.graphs.graphs) == list(BUCKETS)  # captured at construction
+    cache = torch.randn_like(eager.kv_cache)
+    eager.kv_cache.copy_(cache)
+    graphed.kv_cache.copy_(cache)
+    b = batch([5, 9, 3], BLOCK, [True] * 3)
+    torch.testing.assert_close(graphed.forward(graphed.prepare(b)), eager.forward(eager.prepare(b)),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(graphed.kv_cache, eager.kv_cache, rtol=1e-4, atol=1e-4)

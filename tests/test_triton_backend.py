@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported anywhere: @triton.jit decides at decoration
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET before triton is imported"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: @triton.jit decides at decoration
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET before triton is imported"
 
 import json  # noqa: E402
 import subprocess  # noqa: E402

@@ -2,8 +2,8 @@
 
 slots [T] int: block * block_size + offset of each token. A negative slot is padding (a CUDA-graph
 bucket's unused rows, ``cuda_graphs.PAD_SLOT``) and writes nowhere; so does any slot past the
-cache, which the wrapper refuses before launching (``check=True``; off inside a CUDA graph,
-where reading the slots back would sync) -- the kernel's mask keeps memory safe either way.
+cache, which the wrapper refuses before launching (``check=True``; skipped while a CUDA graph is
+captured, where reading the slots back would sync) -- the kernel's mask keeps memory safe either way.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import check_device, next_power_of_2
+from .tuning import capturing, check_device, next_power_of_2
 
 
 @triton.jit
@@ -44,7 +44,7 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                 or t.shape[0] != slots.numel():
             raise ValueError("store_kv_: k and v must be [T, kv_heads, d] of the cache's dtype, one row per slot")
     capacity = k_cache.shape[0] * k_cache.shape[1]
-    if check and slots.numel():
+    if check and slots.numel() and not capturing():
         bad = slots[(slots < -1) | (slots >= capacity)]
         if bad.numel():  # refused before anything is written
             raise ValueError(f"store_kv_: slot {int(bad[0])} outside the cache of {capacity} (-1 is padding)")

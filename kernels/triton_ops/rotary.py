@@ -4,7 +4,7 @@ The contract of runtime/model's ``RotaryEmbedding.rotate_`` with the kernel's ta
 * head_dim] (a fused qkv row: q heads then k heads, v left alone), positions [T] int, cos/sin
 float32 [max_positions, head_dim] (``RotaryEmbedding.cos`` / ``.sin``). Computed in float32,
 rounded once. A position outside the table leaves its row untouched (the wrapper refuses such
-positions first, unless ``check=False``, which a CUDA graph needs: the check reads the device).
+positions first, unless ``check=False`` or a CUDA graph is being captured: the check reads the device).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuning import check_device, next_power_of_2
+from .tuning import capturing, check_device, next_power_of_2
 
 
 @triton.jit
@@ -50,7 +50,7 @@ def rotary_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: to
         raise ValueError("cos and sin must be contiguous float32 [positions, head_dim] tables")
     if positions.numel() != x.shape[0]:
         raise ValueError("one position per row")
-    if check and positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
+    if check and positions.numel() and not capturing() and (int(positions.min()) < 0 or int(positions.max()) >= cos.shape[0]):
         raise ValueError(f"position outside the rotary table of {cos.shape[0]}")
     half = head_dim // 2
     _rotary_kernel[(x.shape[0],)](x, positions, cos, sin, x.stride(0), cos.stride(0), heads, half, cos.shape[0],

@@ -23,6 +23,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
+def capturing() -> bool:
+    """True while a CUDA graph is being captured: a host-side check that reads a tensor back would
+    sync, which capture forbids, so the wrappers skip their checks then (the masks keep memory safe)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 def do_bench(kernel_call, quantiles=None, reps: int = 3):
     """Autotune's timing function: median (and quantiles) in milliseconds of ``kernel_call``."""
     if not interpreting():

@@ -6,7 +6,8 @@ together in one call; so are prompt chunks that follow cached tokens (a burst of
 reusing one cached system prompt): through the AMX kernel, reading the cache in place, or padded
 to a common shape for one SDPA call with a causal mask offset by the tokens already cached; a
 chunk that starts a sequence attends within itself. A backend is
-anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call.
+anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call. What it
+builds (masks, indices, outputs) goes on the device of the tensors it is given.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class PagedAttention:
         self.decode_blocks = decode_blocks  # [D, max_blocks]
         self.decode_lens = decode_lens  # [D] context length of each
         if len(decode_rows) and decode_kernel is None:
-            span = torch.arange(decode_blocks.shape[1] * block_size)
+            span = torch.arange(decode_blocks.shape[1] * block_size, device=decode_lens.device)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
         self.fresh = [c for c in prefills if c.context == c.length]
         after_cache = [c for c in prefills if c.context > c.length]
@@ -58,7 +59,7 @@ class PagedAttention:
             v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
         if self.decodes_only and self.decode_kernel is not None:
             return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = q.shape[1] // kvh
         for c in self.fresh:  # nothing cached before: attend within the chunk
             rows = slice(c.start, c.start + c.length)
@@ -92,8 +93,9 @@ def _chunk_indices(chunks: list[PrefillChunk]):
     """(block tables [C, width] padded with block 0, first rows, lengths, cached tokens) of chunks."""
     width = max(len(c.blocks) for c in chunks)
     tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])
-    return (tables, torch.tensor([c.start for c in chunks]), torch.tensor([c.length for c in chunks]),
-            torch.tensor([c.context - c.length for c in chunks]))
+    on = dict(device=tables.device)
+    return (tables, torch.tensor([c.start for c in chunks], **on), torch.tensor([c.length for c in chunks], **on),
+            torch.tensor([c.context - c.length for c in chunks], **on))
 
 
 class _ChunksInPlace:
@@ -122,16 +124,16 @@ class _PaddedChunks:
         self.tables, starts, lengths, cached = _chunk_indices(chunks)
         width = self.tables.shape[1]
         n = self.n = max(c.length for c in chunks)
-        i = torch.arange(n)
+        i = torch.arange(n, device=starts.device)
         valid = i[None, :] < lengths[:, None]  # [C, n]: real query rows
         self.rows = torch.where(valid, starts[:, None] + i[None, :], 0).flatten()  # padding rows read row 0
         self.valid = valid.flatten().nonzero().flatten()
         self.out_rows = self.rows[self.valid]
-        keys = torch.arange(width * block_size)
+        keys = torch.arange(width * block_size, device=starts.device)
         # query i of a chunk sees keys up to cached + i; padding rows see key 0 only (no empty softmax).
         # Additive, in the model dtype: SDPA would otherwise convert a boolean mask at every layer.
         visible = keys[None, None, :] <= (cached[:, None] + i[None, :]).masked_fill(~valid, 0)[:, :, None]
-        self.mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))[:, None]
+        self.mask = torch.zeros(visible.shape, dtype=dtype, device=starts.device).masked_fill_(~visible, float("-inf"))[:, None]
 
     def attend(self, q, k_cache, v_cache, out) -> None:
         c, n, heads, d = self.count, self.n, q.shape[1], q.shape[2]

@@ -16,21 +16,23 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
-from infer.kernels.resolver import resolve
+from infer.kernels.resolver import resolve, resolve_device
 
 from ..artifact import Artifact, verify_artifact
 from .block_manager import BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
-from .model_runner import ModelRunner, StepOutput, kv_bytes_per_block
+from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
+from .step_record import StepRecord, new_step_records
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("infer.engine")
@@ -41,7 +43,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class EngineConfig:
     dtype: str | None = None  # compute dtype; None: the artifact's
     block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM
+    kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM (of free GPU memory on cuda)
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
@@ -54,6 +56,10 @@ class EngineConfig:
     amx: bool | None = None
     # auto: the artifact's tuning.json where it was measured on this hardware | off | a table's path
     tuning: str = "auto"
+    # auto (cuda when torch sees a GPU, else cpu) | cpu | cuda: where the model, KV cache and sampler run
+    device: str = "auto"
+    # on cuda with the triton kernels: decode steps replay a CUDA graph per batch bucket (False: eager)
+    cuda_graphs: bool = True
 
 
 @dataclass
@@ -166,6 +172,7 @@ class LLMEngine:
         """``artifact``: a verified Artifact (as the CLI, the server and eval pass it), or a path to verify."""
         self.config = config or EngineConfig(**overrides)
         cfg = self.config
+        self.device = resolve_device(cfg.device)  # first: --device cuda without a GPU fails before any loading
         self.artifact = artifact if isinstance(artifact, Artifact) else verify_artifact(artifact)
         self.tokenizer = Tokenizer(self.artifact.path, self.artifact.config)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
@@ -176,19 +183,25 @@ class LLMEngine:
         self.tuning = load_tuning(self.artifact, cfg.tuning)
         tp = tensor_parallel_size(self.artifact)
         self.ranks = None  # a sharded artifact: the other ranks load their slices meanwhile (runtime/parallel)
+        if tp > 1 and self.device.type != "cpu":  # tensor parallelism runs on the CPU (gloo): auto means cpu here
+            if cfg.device == "cuda":
+                raise ValueError(f"a tensor-parallel artifact (tp={tp}) runs on the CPU over gloo: use --device cpu")
+            self.device = torch.device("cpu")
         if tp > 1:
             from ..parallel.runner import RankGroup
 
             self.ranks = RankGroup.start(self.artifact, cfg)
+        on = {} if self.ranks else {"device": self.device}
         self.model = (self.ranks.load_model if self.ranks else load_model)(self.artifact.path, dtype, lambda d: resolve(
-            cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size),
-            hf_config=self.artifact.config, files=self.artifact.weight_files(), tuning=self.tuning)
+            cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size, device=self.device),
+            hf_config=self.artifact.config, files=self.artifact.weight_files(), tuning=self.tuning, **on)
         self.kernels = self.model.kernels
         log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
         per_block = kv_bytes_per_block(self.model, cfg.block_size, self.model.dtype) * tp  # a rank holds 1/tp of it
-        budget = cfg.kv_cache_memory or int(available_memory() * cfg.kv_cache_fraction)
+        free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
+        budget = cfg.kv_cache_memory or int(free * cfg.kv_cache_fraction)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
         num_blocks = min(budget // per_block, useful)
         if num_blocks < 2:
@@ -199,8 +212,10 @@ class LLMEngine:
                                           model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill)
+        if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
+            on["graph_buckets"] = graph_buckets_for(self.device, self.kernels.backend, cfg.cuda_graphs, cfg.max_num_seqs)
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
-                                                                        self.kernels, self.tuning)
+                                                                        self.kernels, self.tuning, **on)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
@@ -256,6 +271,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------ stepping
+    @cached_property
+    def step_records(self):
+        """The last steps' timings and shapes (StepRecord, newest last): where engine time goes."""
+        return new_step_records()
+
     def step(self) -> list[RequestOutput]:
         """One forward pass over what the scheduler picked; outputs of requests that advanced.
 
@@ -265,13 +285,21 @@ class LLMEngine:
         fault fails its own request. Only scheduling itself can raise out of here, leaving the
         engine consistent: the caller may abort its requests and go on.
         """
+        wall, t_start = time.time(), time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         now = time.monotonic()
-        for seq in batch.seqs:
+        prefill_tokens = prefill_seqs = decode_rows = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
+            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                decode_rows += 1
+            else:
+                prefill_seqs += 1
+                prefill_tokens += n
+        t_model = time.perf_counter()
 
         def forward(part: list[tuple[Sequence, int]]) -> StepOutput:
             return self.runner.execute(ScheduledBatch([s for s, _ in part], [n for _, n in part], []))
@@ -291,8 +319,16 @@ class LLMEngine:
             if keep:
                 rows.append(result.logits if len(keep) == len(result.sampled) else result.logits[keep])
                 to_sample += [result.sampled[j] for j in keep]
+        t_sample = self._sampled_at = time.perf_counter()
         if to_sample:
             outputs += self._sample(rows[0] if len(rows) == 1 else torch.cat(rows), to_sample)
+        t_end = time.perf_counter()
+        self.step_records.append(StepRecord(
+            step=self.stats["steps"], t=wall, schedule_ms=(t_model - t_start) * 1e3,
+            model_ms=(t_sample - t_model) * 1e3, sample_ms=(self._sampled_at - t_sample) * 1e3,
+            output_ms=(t_end - self._sampled_at) * 1e3, prefill_tokens=prefill_tokens, prefill_seqs=prefill_seqs,
+            decode_rows=decode_rows, batched_tokens=batch.total_tokens, waiting=len(self.scheduler.waiting),
+            running=len(self.scheduler.running)))
         return outputs
 
     def _advance(self, seq: Sequence, n: int, result: StepOutput) -> None:
@@ -318,6 +354,7 @@ class LLMEngine:
             return sample(logits if len(rows) == len(seqs) else logits[rows], [seqs[i] for i in rows])
 
         done, failed = isolate(sampling, list(range(len(seqs))))
+        self._sampled_at = time.perf_counter()  # step(): what follows is output processing
         outputs = [self._fail(seqs[i], f"sampling failed on this request: {_describe(e)}") for i, e in failed]
         now = time.monotonic()
         for rows, result in done:

@@ -1,21 +1,34 @@
 """Runs one scheduled step: builds the flattened inputs, one forward pass, the rows to sample.
 
-Owns the KV cache: one preallocated tensor for all layers and blocks, never grown or copied.
-A step is split in two so that tensor parallelism (runtime/parallel) can share it: ``prepare``
-turns the scheduled batch into ``StepInputs`` (tensors only; rank 0 broadcasts them as they are),
-and ``forward`` runs the model on them, the same code on every rank over its own KV cache.
+Owns the KV cache: one preallocated tensor for all layers and blocks, never grown or copied, on
+the model's device. A step is split in two so that tensor parallelism (runtime/parallel) can share
+it: ``prepare`` turns the scheduled batch into ``StepInputs`` (tensors only, built on the CPU --
+pinned when the model is on CUDA; rank 0 broadcasts them as they are), and ``forward`` copies them
+to the device (one non-blocking copy each) and runs the model on them, the same code on every rank
+over its own KV cache.
+
+On CUDA with the triton kernels, decode-only steps of up to the largest bucket replay a CUDA graph
+captured at load for their bucket (kernels/cuda_graphs.py): the step's rows are copied straight
+into the graph's static buffers, padded to the bucket. Other steps run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import time
+from dataclasses import dataclass, fields, replace
 
 import torch
+
+from infer.kernels.cuda_graphs import DEFAULT_BUCKETS, DecodeInputs, GraphRunner, buckets_up_to
 
 from .attention import PagedAttention, PrefillChunk
 from ..model import Transformer
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
+
+
+log = logging.getLogger("infer.engine")
 
 
 def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
@@ -38,6 +51,29 @@ class StepInputs:
     decode_lens: torch.Tensor  # [D] their context lengths
     decode_kernel: bool = True  # the C++ paged decode kernel (False: gather + SDPA, the tuning's choice)
 
+    # read into Python lists to build the prompt chunks, never by a kernel: they stay on the host
+    HOST_FIELDS = ("chunk_starts", "chunk_lengths", "chunk_contexts")
+
+    def to(self, device: torch.device) -> "StepInputs":
+        """The tensors a kernel reads on ``device``, one non-blocking copy each (the same tensors on the CPU)."""
+        return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in self.HOST_FIELDS})
+
+    def decode_inputs(self) -> DecodeInputs | None:
+        """A decode-only step as a CUDA graph's inputs (kernels/cuda_graphs.py); None when it has prompt
+        chunks, or runs its decodes without the paged kernel (the graphs capture the kernel's path)."""
+        if len(self.chunk_starts) or len(self.decode_rows) != len(self.input_ids) or not self.decode_kernel:
+            return None
+        return DecodeInputs(self.input_ids, self.positions, self.slots, self.decode_blocks, self.decode_lens)
+
+
+def graph_buckets_for(device: torch.device, backend: str, enabled: bool, max_num_seqs: int) -> tuple[int, ...] | None:
+    """The decode batch buckets to capture as CUDA graphs, or None for none: only on CUDA, and only with
+    the triton kernels (padding rows carry slot -1, which the triton KV store skips and index_copy_ would not)."""
+    if not enabled or torch.device(device).type != "cuda" or backend != "triton":
+        return None
+    return buckets_up_to(max_num_seqs, DEFAULT_BUCKETS)
+
 
 @dataclass
 class StepOutput:
@@ -50,22 +86,42 @@ class ModelRunner:
     error: str | None = None  # set by a runner that can no longer step (a tensor-parallel rank died)
     max_threads: int | None = None  # a cap on the tuning table's threads (ranks sharing the cores)
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None,
+                 device: torch.device | str | None = None, graph_buckets: tuple[int, ...] | None = None):
         """``kernels``: the KernelSet the model was loaded with (infer.kernels.resolver); ``tuning``: a
         runtime.tuning.Tuning for this machine, whose per-bucket choices (decode attention kernel,
-        threads) each step follows."""
+        threads) each step follows on the CPU. ``device``: the model's (None: wherever it is).
+        ``graph_buckets`` (``graph_buckets_for``): decode steps padded to these batch sizes and, on
+        CUDA, captured as graphs now; on the CPU (tests) the padded step runs eagerly."""
         cfg = model.config
+        self.device = model.device
+        if device is not None and torch.device(device) not in (model.device, torch.device(model.device.type)):
+            raise ValueError(f"the model is on {model.device}, the runner was asked for {torch.device(device)}")
         self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
         self.chunk_kernel = kernels.chunk_attention
+        if tuning is not None and self.device.type != "cpu":
+            log.info("tuning: the table's choices (C++ kernel or SDPA, threads) are for the CPU; not used on %s",
+                     self.device)
+            tuning = None
         self.tuning = tuning
         self.default_threads = torch.get_num_threads()
         self.model = model
         self.block_size = block_size
+        self.pin = self.device.type == "cuda"  # step inputs in pinned memory: copies that do not block
         # zeros, not torch.empty's stale memory (which can hold NaN: the SDPA paths weight padding and slots
         # past a sequence's end by 0, and 0 x NaN would fail a request); writing it also touches every page
         # now, at load, rather than during the first requests
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=model.dtype)
+                                    dtype=model.dtype, device=self.device)
+        self.graphs = None
+        if graph_buckets:
+            if kernels.backend != "triton":
+                raise ValueError(f"decode graphs need kernels=triton (padding rows write slot -1, which only its KV "
+                                 f"store skips), not {kernels.backend}")
+            # widest block table: a sequence holds at most the model's positions, and never more than the cache
+            max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // block_size))
+            self.graphs = GraphRunner(self._decode_step, max_blocks, self.device, buckets=tuple(graph_buckets))
+            self.capture_graphs()
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The scheduled batch as flattened tensors: tokens, positions, slots, chunks and decodes."""
@@ -94,10 +150,14 @@ class ModelRunner:
         if self.tuning is not None and decode_rows and self.tuning.decode_attention(len(decode_rows)) == "torch-sdpa":
             decode_kernel = False  # the table measured gather + SDPA faster at this many decodes
         chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3)
-        return StepInputs(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                          torch.tensor(slots, dtype=torch.long), chunk_info[:, 0], chunk_info[:, 1],
-                          chunk_info[:, 2], _padded(chunk_tables), torch.tensor(decode_rows, dtype=torch.long),
-                          _padded(decode_tables), torch.tensor(decode_lens, dtype=torch.long), decode_kernel)
+        pin = self._pinned
+        return StepInputs(pin(torch.tensor(ids, dtype=torch.long)), pin(torch.tensor(positions, dtype=torch.long)),
+                          pin(torch.tensor(slots, dtype=torch.long)), chunk_info[:, 0], chunk_info[:, 1],
+                          chunk_info[:, 2], pin(_padded(chunk_tables)), pin(torch.tensor(decode_rows, dtype=torch.long)),
+                          pin(_padded(decode_tables)), pin(torch.tensor(decode_lens, dtype=torch.long)), decode_kernel)
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory() if self.pin else t
 
     def _context(self, inputs: StepInputs) -> PagedAttention:
         bs = self.block_size
@@ -110,7 +170,10 @@ class ModelRunner:
                               self.store_kv, self.chunk_kernel)
 
     def _threads(self, rows: int) -> None:
-        """The table's thread count for a step of this many rows (the process default without one)."""
+        """The table's thread count for a step of this many rows (the process default without one).
+        CPU only: on CUDA the host threads only launch kernels."""
+        if self.device.type != "cpu":
+            return
         want = (self.tuning.threads(rows) if self.tuning is not None else None) or self.default_threads
         if self.max_threads is not None:
             want = min(want, self.max_threads)
@@ -119,9 +182,36 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over one step's inputs: final hidden states [T, hidden]. Every rank runs this."""
+        """The model over one step's inputs (on the CPU): final hidden states [T, hidden] on the device.
+        Every rank runs this. A decode-only step that fits a bucket runs padded to it (replayed as a
+        CUDA graph on CUDA); the rows returned then are a view the next such step overwrites."""
         self._threads(len(inputs.input_ids))
+        decode = inputs.decode_inputs() if self.graphs is not None else None
+        if decode is not None and self.graphs.bucket(decode) is not None:
+            return self.graphs(decode)  # copies the rows into the static buffers: one copy each
+        inputs = inputs.to(self.device)
         return self.model(inputs.input_ids, inputs.positions, self._context(inputs))
+
+    def _decode_step(self, x: DecodeInputs) -> torch.Tensor:
+        """One decode step over static buffers: what a CUDA graph captures (no host syncs on this path:
+        the triton wrappers skip their checks while capturing)."""
+        rows = torch.arange(x.num_seqs, device=self.device)
+        ctx = PagedAttention(self.kv_cache, self.block_size, x.slot_mapping, [], rows, x.block_tables, x.context_lens,
+                             self.decode_kernel, self.store_kv, self.chunk_kernel)
+        return self.model(x.input_ids, x.positions, ctx)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> list[int]:
+        """Captures every bucket's decode graph (once the kernels' tuning is settled: the warm-up runs
+        before each capture let triton compile and autotune); the buckets captured (none on the CPU)."""
+        if self.graphs is None or not self.graphs.use_graphs:
+            return []
+        t0 = time.perf_counter()
+        self.graphs.capture_all()
+        torch.cuda.synchronize(self.device)
+        log.info("cuda graphs: decode buckets %s captured in %.1fs", sorted(self.graphs.graphs),
+                 time.perf_counter() - t0)
+        return sorted(self.graphs.graphs)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
@@ -137,7 +227,10 @@ class ModelRunner:
                 rows.append(row + n - 1)
                 sampled.append(seq)
             row += n
-        logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0)
+        if len(rows) == hidden.shape[0]:  # every row (a decode-only step): no gather
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[rows]) if rows else torch.empty(0, device=self.device)
         return StepOutput(sampled, logits, prompt_logits)
 
     def close(self) -> None:

@@ -25,59 +25,75 @@ class SampleResult:
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token (its token_ids entry is junk)
 
 
-def _column(seqs: list[Sequence], attr: str, default: float) -> torch.Tensor:
-    return torch.tensor([getattr(s.params, attr) if getattr(s.params, attr) is not None else default for s in seqs],
-                        dtype=torch.float32)
+def _values(seqs: list[Sequence], attr: str, default: float) -> list[float]:
+    return [getattr(s.params, attr) if getattr(s.params, attr) is not None else default for s in seqs]
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    rep = _column(seqs, "repetition_penalty", 1.0)
-    pres = _column(seqs, "presence_penalty", 0.0)
-    freq = _column(seqs, "frequency_penalty", 0.0)
-    if not ((rep != 1.0).any() or (pres != 0.0).any() or (freq != 0.0).any()):
+    rep, pres, freq = (_values(seqs, a, d) for a, d in (("repetition_penalty", 1.0), ("presence_penalty", 0.0),
+                                                         ("frequency_penalty", 0.0)))
+    if all(r == 1.0 for r in rep) and not any(pres) and not any(freq):
         return logits
-    vocab = logits.shape[1]
-    out_counts = torch.zeros_like(logits)
-    seen = torch.zeros_like(logits, dtype=torch.bool)
+    vocab, device = logits.shape[1], logits.device
+    # (row, token) pairs built on the host, then one scatter each on the logits' device
+    out_rows, out_ids, seen_rows, seen_ids = [], [], [], []
     for row, s in enumerate(seqs):
-        out = torch.tensor(s.output_token_ids, dtype=torch.long)
-        out = out[out < vocab]
-        out_counts[row].index_add_(0, out, torch.ones(len(out)))
-        prompt = torch.tensor(s.token_ids[:s.num_prompt_tokens], dtype=torch.long)
-        seen[row, prompt[prompt < vocab]] = True
+        out = [t for t in s.output_token_ids if 0 <= t < vocab]
+        out_rows += [row] * len(out)
+        out_ids += out
+        prompt = [t for t in s.token_ids[:s.num_prompt_tokens] if 0 <= t < vocab]
+        seen_rows += [row] * len(prompt)
+        seen_ids += prompt
+    index = lambda rows, ids: (torch.tensor(rows, dtype=torch.long, device=device),  # noqa: E731
+                               torch.tensor(ids, dtype=torch.long, device=device))
+    out_counts = torch.zeros_like(logits).index_put_(index(out_rows, out_ids),
+                                                     torch.ones(len(out_ids), device=device), accumulate=True)
+    seen = torch.zeros_like(logits, dtype=torch.bool).index_put_(index(seen_rows, seen_ids),
+                                                                torch.ones(len(seen_ids), dtype=torch.bool,
+                                                                           device=device))
     seen |= out_counts > 0
-    r = rep[:, None]
+    r = _column(rep, device)[:, None]
     logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    logits = logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
+    logits = logits - _column(freq, device)[:, None] * out_counts - \
+        _column(pres, device)[:, None] * (out_counts > 0).float()
     return logits
 
 
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks (rows are non-greedy)."""
-    temp = _column(seqs, "temperature", 1.0)
-    if (temp != 1.0).any():
-        logits = logits / temp[:, None]
+    """Temperature, then top-k, top-p and min-p as -inf masks (rows are non-greedy).
+
+    Which filters apply is decided from the parameters on the host, so nothing here waits on the device."""
+    device = logits.device
+    temp = _values(seqs, "temperature", 1.0)
+    if any(t != 1.0 for t in temp):
+        logits = logits / _column(temp, device)[:, None]
     vocab = logits.shape[1]
-    top_k = torch.tensor([min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs])
-    top_p = _column(seqs, "top_p", 1.0)
-    min_p = _column(seqs, "min_p", 0.0)
-    if (top_k < vocab).any() or (top_p < 1.0).any():
+    top_k = [min(s.params.top_k, vocab) if s.params.top_k > 0 else vocab for s in seqs]
+    top_p = _values(seqs, "top_p", 1.0)
+    min_p = _values(seqs, "min_p", 0.0)
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab)[None, :]
-        drop = rank >= top_k[:, None]
+        rank = torch.arange(vocab, device=device)[None, :]
+        drop = rank >= torch.tensor(top_k, device=device)[:, None]
         probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p of the mass
-        drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+        drop |= (probs.cumsum(-1) - probs) >= _column(top_p, device)[:, None]
         drop[:, 0] = False
         logits = logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if (min_p > 0).any():
+    if any(p > 0 for p in min_p):
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
+        logits = logits.masked_fill(probs < _column(min_p, device)[:, None] * probs.max(-1, keepdim=True).values,
+                                    float("-inf"))
     return logits
 
 
 def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
-    """One uniform number per row; a seeded row draws it from its own generator."""
+    """One uniform number per row, drawn on the CPU; a seeded row draws it from its own generator
+    (a CPU generator: a seed gives the same tokens whatever the device)."""
     u = torch.rand(len(seqs))
     for i, s in enumerate(seqs):
         if s.generator is not None:
@@ -88,28 +104,35 @@ def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
 def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Inverse-CDF sampling: one cumulative sum and one uniform per row, no per-token noise."""
     cdf = probs.cumsum(-1)
-    target = _uniforms(seqs)[:, None] * cdf[:, -1:]
+    target = _uniforms(seqs).to(probs.device, non_blocking=True)[:, None] * cdf[:, -1:]
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-    """logits: [B, vocab] float32, one row per sequence that produces a token this step."""
+    """logits: [B, vocab] float32, one row per sequence that produces a token this step, on any device.
+
+    Everything runs on the logits' device; the chosen ids and the per-row fault flags come back to the
+    host in one copy (logprobs, when asked for, read more)."""
     raw = logits
     logits = apply_penalties(logits, seqs)
     best, chosen = logits.max(-1)
     broken = ~torch.isfinite(best)  # NaN or infinity somewhere in the row: no token can be trusted
-    errors = {i: "the model's logits for this sequence are not finite (NaN or infinity)"
-              for i in broken.nonzero().flatten().tolist()}
-    greedy = torch.tensor([s.params.greedy for s in seqs]) | broken
-    if not greedy.all():
-        rows = (~greedy).nonzero().flatten()
-        subset = [seqs[i] for i in rows.tolist()]
+    invalid = torch.zeros_like(broken)  # no valid distribution after the filters
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        subset = [seqs[i] for i in sampled]
         probs = filter_logits(logits[rows], subset).softmax(-1)
         chosen[rows] = draw(probs, subset)
         # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
-        for i in rows[~torch.isfinite(probs[:, 0])].tolist():
+        invalid[rows] = ~torch.isfinite(probs[:, 0])
+    token_ids, broken_rows, invalid_rows = torch.stack([chosen, broken.long(), invalid.long()]).tolist()
+    errors = {}
+    for i in range(len(seqs)):
+        if broken_rows[i]:
+            errors[i] = "the model's logits for this sequence are not finite (NaN or infinity)"
+        elif invalid_rows[i]:
             errors[i] = "this sequence's sampling parameters gave no valid distribution to sample from"
-    token_ids = chosen.tolist()
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):
         return SampleResult(token_ids, None, errors)

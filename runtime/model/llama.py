@@ -208,6 +208,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden] (normed)."""
         x, residual = self.embed_tokens(input_ids), None
@@ -229,7 +233,7 @@ class Transformer(nn.Module):
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Whole-sequence forward for a [B, L] batch without padding: logits [B, L, vocab] (float32)."""
         b, length = input_ids.shape
-        positions = torch.arange(length).repeat(b)
+        positions = torch.arange(length, device=input_ids.device).repeat(b)
         hidden = self(input_ids.reshape(-1), positions, DenseCausalContext(b, length))
         return self.compute_logits(hidden).view(b, length, -1)
 

@@ -103,7 +103,8 @@ def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto", hf_config: dict | None = None,
-               files: list[Path] | None = None, tuning=None, config: ModelConfig | None = None) -> Transformer:
+               files: list[Path] | None = None, tuning=None, config: ModelConfig | None = None,
+               device: torch.device | str = "cpu") -> Transformer:
     """Builds the model from an HF-format directory (config.json + safetensors).
 
     ``kernels``: a ``KernelSet`` from infer.kernels.resolver, a function of the compute dtype giving
@@ -113,8 +114,11 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     ``hf_config`` and ``files``: what a verified artifact already parsed and listed (else read here).
     ``tuning``: a runtime.tuning.Tuning measured on this machine: its per-shape linear kernels.
     ``config``: the model to build when it is not the checkpoint's own: a tensor-parallel rank's, with
-    its share of the heads and MLP channels (runtime/parallel/layers.py), loaded from its rank file."""
+    its share of the heads and MLP channels (runtime/parallel/layers.py), loaded from its rank file.
+    ``device``: where the weights go (``kernels`` must suit it: resolver.resolve(..., device=)); each
+    tensor is read on the CPU and copied there once."""
     path = Path(path)
+    device = torch.device(device)
     hf_config = hf_config if hf_config is not None else json.loads((path / "config.json").read_text())
     cfg = config or ModelConfig.from_hf(hf_config)
     hf = read_state_dict(path, files)
@@ -130,7 +134,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     if isinstance(kernels, str):
         from infer.kernels.resolver import resolve
 
-        kernels = resolve(kernels, dtype=dtype, head_dim=cfg.head_dim)
+        kernels = resolve(kernels, dtype=dtype, head_dim=cfg.head_dim, device=device)
     elif callable(kernels):
         kernels = kernels(dtype)
     with torch.device("meta"):
@@ -139,7 +143,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     unused = sorted(k for k in state if k not in expected)
     if unused:
         raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]} ...")
-    state = {k: v.to(dtype) for k, v in state.items()}
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
@@ -149,8 +153,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
         for name, qweight in quantized.items():
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr,
-                    make_linear(qweight, state.get(name + ".bias"), dtype))
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+                    make_linear(qweight, state.get(name + ".bias"), dtype, device).to(device))
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")

@@ -222,7 +222,14 @@ def build_app(state):
         loop = asyncio.get_running_loop()
         loader = threading.Thread(target=load_engine, args=(state, loop), name="infer-loader", daemon=True)
         loader.start()
+        lag = None
+        if state.trace is not None:
+            from .trace import sample_loop_lag
+
+            lag = asyncio.create_task(sample_loop_lag(state.trace))
         yield
+        if lag is not None:
+            lag.cancel()
         if state.loop_runner is not None:
             state.loop_runner.stop()
         if state.engine is not None:

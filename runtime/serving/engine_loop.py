@@ -2,8 +2,9 @@
 
 The engine is synchronous; it runs in its own thread, which takes commands (add, abort) from a
 queue between steps, steps while there is work, and hands each output to its request handler's
-asyncio queue with ``loop.call_soon_threadsafe``. The engine thread never waits on a client: a
-slow reader only lets its own queue grow, and the batch keeps stepping.
+asyncio queue with ``loop.call_soon_threadsafe`` as ``(output, Finished or None, time.perf_counter() when
+handed over)``. The engine thread never waits on a client: a slow reader only lets its own queue
+grow, and the batch keeps stepping. With ``--step-trace`` it also writes each step's record there.
 
 A request the engine fails alone arrives as an output with finish_reason "error" (see
 ``LLMEngine.step``). A step that raises outside any request's work fails every request in flight
@@ -54,11 +55,13 @@ class Finished:
 class EngineLoop:
     """Steps an ``LLMEngine`` in a thread; requests and aborts come in through a command queue."""
 
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, metrics, log_requests: bool = False):
+    def __init__(self, engine, loop: asyncio.AbstractEventLoop, metrics, log_requests: bool = False, trace=None):
         self.engine = engine
         self.loop = loop
         self.metrics = metrics
         self.log_requests = log_requests
+        self.trace = trace  # serving.trace.StepTrace (--step-trace), or None
+        self._traced_step = 0
         self._cmds: collections.deque = collections.deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -140,7 +143,7 @@ class EngineLoop:
         out = self.engine.abort_request(rid)
         if track is not None and out is not None:
             self._account(track, out, time.monotonic())
-            self._deliver(track.queue, (out, self._finished(track, out, time.monotonic())))
+            self._deliver(track.queue, (out, self._finished(track, out, time.monotonic()), time.perf_counter()))
 
     def _abort_everything(self) -> None:
         for rid in list(self._tracks):
@@ -195,6 +198,8 @@ class EngineLoop:
             if self._stop:
                 return
             if not engine.has_unfinished_requests():
+                if self.trace is not None:
+                    self.trace.write()
                 self._wake.wait(0.5)
                 continue
             try:
@@ -210,7 +215,7 @@ class EngineLoop:
                     self._deliver(track.queue, APIError(500, f"engine error: {type(e).__name__}: {e}",
                                                         type="server_error", code="engine_error"))
                 continue
-            at = time.monotonic()
+            at, produced = time.monotonic(), time.perf_counter()
             for out in outputs:
                 track = self._tracks.get(out.request_id)
                 if track is None:
@@ -218,9 +223,18 @@ class EngineLoop:
                 self._account(track, out, at)
                 if out.finished:
                     del self._tracks[out.request_id]
-                    self._deliver(track.queue, (out, self._finished(track, out, at)))
+                    self._deliver(track.queue, (out, self._finished(track, out, at), produced))
                 else:
-                    self._deliver(track.queue, (out, None))
+                    self._deliver(track.queue, (out, None, produced))
+            if self.trace is not None:  # after the outputs are on their way
+                self._trace_step()
+
+    def _trace_step(self) -> None:
+        records = self.engine.step_records
+        if records and records[-1].step != self._traced_step:  # a step that scheduled nothing leaves none
+            self._traced_step = records[-1].step
+            self.trace.add(records[-1].as_dict())
+        self.trace.write()
 
 
 def load_engine(state, loop: asyncio.AbstractEventLoop) -> None:
@@ -236,7 +250,7 @@ def load_engine(state, loop: asyncio.AbstractEventLoop) -> None:
         state.info = ModelInfo(state.name, state.version, engine.max_request_tokens, engine.model.config.vocab_size,
                                engine.tokenizer, fan_out_limit(state.config.max_queue))
         state.token_text = TokenText(engine.tokenizer)
-        runner = EngineLoop(engine, loop, state.metrics, state.config.log_requests)
+        runner = EngineLoop(engine, loop, state.metrics, state.config.log_requests, trace=state.trace)
         state.loop_runner = runner
         state.metrics.snapshot = runner.snapshot
         runner.start()

@@ -12,6 +12,7 @@ import json
 import logging
 
 from .protocol import APIError, GenRequest, chat_logprobs, completion_logprobs, now, usage
+from .trace import stream_delay_record
 
 log = logging.getLogger("infer.server")
 
@@ -46,7 +47,7 @@ class Generation:
         if isinstance(item, Exception):
             raise APIError(500, f"engine error: {type(item).__name__}: {item}", type="server_error",
                            code="engine_error")
-        out, _ = item
+        out = item[0]
         if out.finish_reason == "error":
             choice = f" (choice {self.index[out.request_id]})" if len(self.sub_ids) > 1 else ""
             raise APIError(500, f"generation failed{choice}: {out.error}", type="server_error",
@@ -97,7 +98,7 @@ class Generation:
                 if getter not in done:
                     getter.cancel()
                     return None
-                out, fin = getter.result()
+                out, fin, _ = getter.result()
                 if out.finished:
                     self.final[self.index[out.request_id]] = (out, fin)
         finally:
@@ -137,6 +138,7 @@ class Generation:
         chat = req.kind == "chat"
         emitted = [0] * len(self.sub_ids)  # tokens already sent per choice
         started = [False] * len(self.sub_ids)
+        trace = self.state.trace
         try:
             if chat:
                 yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -147,7 +149,8 @@ class Generation:
                 while not self.queue.empty():  # a slow reader gets what piled up as one chunk per choice
                     items.append(self._checked(self.queue.get_nowait()))
                 merged: dict[int, list] = {}
-                for out, fin in items:
+                produced = min(item[2] for item in items)  # the oldest output this chunk carries
+                for out, fin, _ in items:
                     i = self.index[out.request_id]
                     if i in merged:
                         merged[i][1] += out.delta_text
@@ -178,7 +181,9 @@ class Generation:
                             c["metrics"] = fin.as_dict() if fin else None
                         choices.append(c)
                 if choices:
-                    yield self._chunk(choices)
+                    yield self._chunk(choices)  # resumes once the chunk is written
+                    if trace is not None:
+                        trace.add(stream_delay_record(produced, len(items)))
                 if finals:
                     yield self._chunk(finals)
             if req.include_usage:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ class ServerConfig:
     grace_period: float = 30.0
     max_body: int = DEFAULT_MAX_BODY
     access_log: bool = False
+    step_trace: str | None = None  # a JSONL file: every engine step, event-loop lag, stream delays (trace.py)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -47,6 +49,7 @@ class State:
         self.info: ModelInfo | None = None
         self.token_text: TokenText | None = None
         self.metrics = None
+        self.trace = None  # serving.trace.StepTrace with --step-trace
         self.name = artifact.manifest.get("name", "model")
         self.version = str(artifact.manifest.get("version", "0"))
         self.ready = False
@@ -125,12 +128,24 @@ def serve(config: ServerConfig, artifact: Artifact) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = State(config, artifact)
     state.metrics = ServerMetrics(state.name)
+    if config.step_trace:
+        from .trace import StepTrace
+
+        try:
+            state.trace = StepTrace(config.step_trace)
+        except OSError as e:
+            print(f"infer-run: error: cannot write the step trace: {e}", file=sys.stderr, flush=True)
+            return 2
     app = build_app(state)
     server = _make_server(app, config, state)
     state.on_failure = lambda: setattr(server, "should_exit", True)
     print(f"infer-run: serving {state.name} {state.version} on http://{config.host}:{config.port} "
           f"(loading the model; /health is 503 until it is ready)", flush=True)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if state.trace is not None:
+            state.trace.close()
     if state.load_error:
         return 2
     return 0
