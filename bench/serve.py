@@ -332,7 +332,6 @@ def vllm_result(results: list[Result], items: list[dict], duration: float, args)
 
 def compare_table(entries: dict[str, dict], workload: str) -> str:
     """The targets side by side: one column each."""
-    width = max(12, *(len(n) + 2 for n in entries))
     rows = [("completed / failed", lambda e: f"{e['completed']} / {e['failed']}"),
             ("duration (s)", lambda e: f"{e['duration']:.1f}"),
             ("request/s", lambda e: f"{e['request_throughput']:.3f}"),
@@ -341,6 +340,7 @@ def compare_table(entries: dict[str, dict], workload: str) -> str:
     for key, label in (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2el", "E2E")):
         for q in ("p50", "p99"):
             rows.append((f"{label} {q} (ms)", lambda e, k=f"{q}_{key}_ms": f"{e[k]:.1f}"))
+    width = 2 + max(12, *(len(n) for n in entries), *(len(cell(e)) for _, cell in rows for e in entries.values()))
     lines = [f"infer-bench serve: {workload}", "",
              f"  {'':<24}" + "".join(f"{name:>{width}}" for name in entries)]
     lines += [f"  {label:<24}" + "".join(f"{cell(e):>{width}}" for e in entries.values()) for label, cell in rows]

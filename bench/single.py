@@ -5,6 +5,10 @@ gets; llama.cpp's headline figure. Decode speed excludes the prompt: each side's
 minus its time for 1 token (the prefill and first token), over N - 1 tokens. Rounds alternate
 between the two sides, and medians are reported, since this host's speed drifts.
 
+The memory-bandwidth floor, measured in the same run: a batch-1 decode step reads every weight
+once (the LM head included; an untied embedding only one row), so it cannot beat
+weight bytes / read bandwidth, with the bandwidth of a large ``sum`` at the benchmark's threads.
+
     python -m infer.bench.single [--artifact DIR] [--tokens 128] [--rounds 3] [--dtype bfloat16]
 """
 
@@ -50,6 +54,46 @@ def _transformers_timer(artifact: Path, dtype: str):
     return run
 
 
+def weight_bytes(artifact: Path, dtype: str) -> int:
+    """Bytes one batch-1 decode step reads: every tensor of the checkpoint at its stored width (float
+    tensors at the compute dtype's), less an untied input embedding, of which a step reads one row."""
+    import json
+
+    from safetensors import safe_open
+
+    config = json.loads((artifact / "config.json").read_text())
+    width = getattr(torch, dtype).itemsize
+    total = 0
+    for path in sorted(artifact.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False):
+                    continue
+                t = f.get_slice(name)
+                numel = 1
+                for d in t.get_shape():
+                    numel *= d
+                floating = t.get_dtype() in ("F32", "F16", "BF16", "F64")
+                total += numel * (width if floating else getattr(torch, _ST_DTYPES[t.get_dtype()]).itemsize)
+    return total
+
+
+_ST_DTYPES = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "F8_E4M3": "float8_e4m3fn",
+              "BOOL": "bool"}
+
+
+def read_bandwidth(rounds: int = 7) -> float:
+    """Bytes/s of a 1 GiB ``sum`` at the current thread count (median of ``rounds``; past any cache)."""
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "single.json")
@@ -75,10 +119,15 @@ def main(argv=None) -> dict:
               "machine": platform.processor() or platform.machine(),
               **{name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}}
     result["speedup"] = result["infer"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
+    nbytes, bandwidth = weight_bytes(artifact, args.dtype), read_bandwidth()
+    floor = bandwidth / nbytes
+    result["bandwidth_floor"] = {"weight_bytes": nbytes, "read_gb_s": bandwidth / 1e9, "tokens_per_s": floor,
+                                 "infer_share": result["infer"]["tokens_per_s"] / floor}
     for name in sides:
         print(f"{name:<13}: {result[name]['tokens_per_s']:.1f} tok/s decode at batch 1 "
-              f"(rounds: {', '.join(f'{v:.1f}' for v in rates[name])})")
+              f"(rounds: {', '.join(f'{v:.1f}' for v in rates[name])}; {result[name]['tokens_per_s'] / floor:.0%} of the floor)")
     print(f"speedup      : {result['speedup']:.2f}x")
+    print(f"floor        : {floor:.1f} tok/s ({nbytes / 1e6:.0f} MB of weights a step at {bandwidth / 1e9:.1f} GB/s read)")
     save_json(result, args.json)
     return result
 

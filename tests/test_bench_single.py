@@ -1,0 +1,29 @@
+"""bench/single.py's bandwidth floor: the bytes a batch-1 decode step reads, from the checkpoint."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from infer.bench.single import read_bandwidth, weight_bytes
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_counts_what_a_decode_step_reads(tmp_path, tied):
+    embed, proj, packed = torch.zeros(100, 8), torch.zeros(8, 8), torch.zeros(4, 2, dtype=torch.int32)
+    tensors = {"model.embed_tokens.weight": embed, "model.layers.0.q_proj.weight": proj,
+               "model.layers.0.o_proj.weight_packed": packed}
+    if not tied:
+        tensors["lm_head.weight"] = torch.zeros(100, 8)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": tied}))
+    head = 100 * 8  # tied: the embedding is the LM head, read whole; untied: lm_head is, one embedding row is not counted
+    want = lambda width: (head + 64) * width + 8 * 4  # noqa: E731  float tensors at the compute width, int32 as stored
+    assert weight_bytes(tmp_path, "bfloat16") == want(2)
+    assert weight_bytes(tmp_path, "float32") == want(4)
+
+
+def test_read_bandwidth_is_a_plausible_rate():
+    gb_s = read_bandwidth(rounds=3) / 1e9
+    assert 0.5 < gb_s < 2000, gb_s
