@@ -67,3 +67,37 @@ def test_engine_outputs_with_the_triton_kernels_equal_torch_ops(tiny_artifact):
         assert t.token_ids == r.token_ids, (t.prompt, t.token_ids, r.token_ids)
         diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(t.logprobs, r.logprobs)]
         assert max(diffs) < 1e-4, diffs
+
+
+def _int4_weight(n: int, k: int, group: int, asym: bool, act_order: bool):
+    """A random int4 grouped QuantWeight as the compressed-tensors reader returns one (values, scales,
+    signed zero points, g_idx)."""
+    from infer.runtime.model.compressed_tensors import Args, QuantWeight
+
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    scale = torch.rand(n, k // group) * 0.05 + 0.01
+    zero = torch.randint(-3, 4, (n, k // group), dtype=torch.int8) if asym else None
+    g_idx = torch.randperm(k).remainder(k // group).to(torch.int32) if act_order else None
+    return QuantWeight(Args(4, "int", "group", not asym, group), None, q, scale, zero, g_idx)
+
+
+@pytest.mark.parametrize("group,asym,act_order", [(32, False, False), (32, True, False), (64, True, True)],
+                         ids=["g32-sym", "g32-asym", "g64-asym-actorder"])
+def test_int4_linears_on_cuda_run_the_triton_w4a16_gemm(group, asym, act_order):
+    """make_linear picks triton-w4a16 for an int4 layer on cuda (cpu-int4 on the CPU); the module, run
+    here by the interpreter on CPU tensors, matches a float64 dequantization of the same weight."""
+    from infer.runtime.model.quant_linear import make_linear
+
+    w = _int4_weight(32, 128, group, asym, act_order)
+    on_cuda = make_linear(w, None, torch.float32, device="cuda")  # packed on the CPU; the loader moves it
+    assert on_cuda.backend == "triton-w4a16"
+    assert make_linear(w, None, torch.float32, device="cpu").backend == "cpu-int4"
+    odd = _int4_weight(24, 128, group, asym, act_order)  # N not a multiple of cpu-int4's 16-row tile
+    assert make_linear(odd, None, torch.float32, device="cpu").backend == "dequant"
+    x = torch.randn(3, 128)
+    col = w.g_idx.long() if act_order else torch.arange(128) // group
+    q = w.q.double() - (w.zero.double()[:, col] if asym else 0)
+    want = x.double() @ (q * w.scale.double()[:, col]).t()
+    got = on_cuda(x)
+    assert got.shape == (3, 32) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max(), (got.double() - want).abs().max()

@@ -15,6 +15,9 @@ CPU backends here, fastest first:
   widening; float32 sums in a float32 model), since this torch's CPU ``_scaled_mm`` is a slow
   reference path;
 - ``dequant``: everything else, dequantizing one layer's weight per call (never the whole model).
+
+On CUDA, int4 grouped weights run ``triton-w4a16`` (infer.kernels.triton_ops.w4a16_gemm, straight
+from compressed-tensors' packed layout) when triton is installed.
 Activation quantization follows compressed-tensors exactly (scale = absmax / (range/2), round,
 clamp), so the runtime computes what transformers' decompressing forward computes.
 """
@@ -190,6 +193,28 @@ class FP8Linear(QuantLinear):
         return (acc.float() * (xs * self.wscale)).to(x.dtype)
 
 
+class TritonW4A16Linear(QuantLinear):
+    """int4 grouped weights (symmetric or not, activation order or not) for the Triton W4A16 GEMM, packed
+    once at load into compressed-tensors' own ``pack-quantized`` words, which the kernel reads as stored.
+    Built for CUDA; on the CPU it runs only under ``TRITON_INTERPRET=1`` (how the tests check it)."""
+    backend = "triton-w4a16"
+
+    def __init__(self, w: QuantWeight, bias, dtype):
+        super().__init__(w, bias, dtype)
+        from infer.kernels.triton_ops import pack_int4
+
+        self.register_buffer("weight_packed", pack_int4(w.q, dim=1), persistent=False)
+        self.register_buffer("weight_scale", w.scale.contiguous(), persistent=False)  # as stored
+        self.register_buffer("weight_zero_point", None if w.zero is None else pack_int4(w.zero, dim=0),
+                             persistent=False)
+        self.register_buffer("weight_g_idx", None if w.g_idx is None else w.g_idx.to(torch.int32), persistent=False)
+
+    def matmul(self, x):
+        from infer.kernels.triton_ops import w4a16_gemm
+
+        return w4a16_gemm(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.weight_g_idx)
+
+
 class DequantLinear(QuantLinear):
     """Any scheme: keeps the compressed weight and dequantizes this one layer per call."""
     backend = "dequant"
@@ -236,6 +261,14 @@ def _cpu(device):
     return torch.device(device).type == "cpu"
 
 
+def _triton_w4a16(w: QuantWeight, device: torch.device) -> bool:
+    import importlib.util
+
+    return (torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None and
+            w.inputs is None and w.weights.type == "int" and w.weights.num_bits == 4 and w.scale.shape[1] > 1 and
+            w.in_features % 8 == 0 and (w.zero is None or w.out_features % 8 == 0))
+
+
 def _has(op: str) -> bool:
     try:
         getattr(torch.ops.aten, op)
@@ -248,9 +281,11 @@ _INT4 = _has("_weight_int4pack_mm_for_cpu") and _has("_convert_weight_to_int4pac
 _INT8 = _has("_weight_int8pack_mm")
 
 BACKENDS: list = [
+    _Backend("triton-w4a16", TritonW4A16Linear, _triton_w4a16),
     _Backend("cpu-int4", Int4PackLinear, lambda w, d: _cpu(d) and _INT4 and w.inputs is None and
              w.weights.type == "int" and w.weights.num_bits == 4 and w.scale.shape[1] > 1 and
-             w.group_size in (32, 64, 128, 256) and w.in_features % w.group_size == 0),
+             w.group_size in (32, 64, 128, 256) and w.in_features % w.group_size == 0 and
+             w.out_features % 16 == 0),  # the packing kernel's tile
     _Backend("cpu-int8-weight", Int8WeightLinear, lambda w, d: _cpu(d) and _INT8 and w.inputs is None and
              w.weights.type == "int" and w.weights.num_bits == 8 and w.scale.shape[1] == 1 and w.zero is None),
     _Backend("cpu-w8a8", W8A8Linear, lambda w, d: _cpu(d) and w.inputs is not None and w.inputs.type == "int" and
