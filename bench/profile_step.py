@@ -17,7 +17,8 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from .throughput import RESULTS, default_artifact, make_requests, save_json
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm",
-          "aten::_int_mm", "mkldnn::_linear_pointwise", "kernel::amx_linear"}  # the last two: runtime/packed_linear.py
+          "aten::_int_mm", "mkldnn::_linear_pointwise", "kernel::amx_linear",
+          "kernel::bf16_linear"}  # the last three: runtime/packed_linear.py
 
 
 def main(argv=None) -> dict:
@@ -59,14 +60,14 @@ def main(argv=None) -> dict:
     engine.runner.execute, engine_mod.sample = labelled_execute, labelled_sample
     if kernel is not None:
         engine.runner.decode_kernel = labelled_kernel
-    # the fused norm/rotary/SiLU kernels and the AMX matmuls are pybind calls the profiler does not
-    # see: label them too
+    # the fused norm/rotary/SiLU kernels and the AMX and AVX-512 BF16 matmuls are pybind calls the
+    # profiler does not see: label them too
     fused = [m for m in engine.model.modules() if getattr(m, "ops", None) is not None]
     for m in fused:
         m.ops = _Labelled(m.ops)
-    amx = [m for m in engine.model.modules() if getattr(m, "amx", None) is not None]
-    for m in amx:
-        m.amx = _Labelled(m.amx)
+    packed = [m for m in engine.model.modules() if getattr(m, "module", None) is not None]
+    for m in packed:
+        m.module = _Labelled(m.module)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(args.steps):
@@ -75,8 +76,8 @@ def main(argv=None) -> dict:
     engine.runner.execute, engine_mod.sample, engine.runner.decode_kernel = execute, sample, kernel
     for m in fused:
         m.ops = m.ops.module
-    for m in amx:
-        m.amx = m.amx.module
+    for m in packed:
+        m.module = m.module.module
     events = prof.key_averages()
     total = {e.key: e.cpu_time_total / 1e6 / args.steps for e in events}
     self_ = {e.key: e.self_cpu_time_total / 1e6 / args.steps for e in events}
@@ -101,7 +102,7 @@ def main(argv=None) -> dict:
 
 
 class _Labelled:
-    """A compiled kernel module (layer_ops, amx_linear) whose calls show in the profile as ``kernel::<name>``."""
+    """A compiled kernel module (layer_ops, amx_linear, bf16_linear) whose calls show in the profile as ``kernel::<name>``."""
 
     def __init__(self, module):
         self.module = module

@@ -45,13 +45,16 @@ class KernelSet:
     store_kv: Callable | None  # kernels.cpu_attention.store_kv_, or None: index_copy_
     chunk_attention: Callable | None  # kernels.amx_attention's, or None: gather + padded SDPA
     amx_linear: object | None  # kernels.amx_linear's module, or None
-    onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where AMX is not used
+    onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where neither of the others runs
+    bf16_linear: object | None = None  # kernels.bf16_linear's module (AVX-512 BF16, no AMX in use), or None
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
         """How a plain linear of ``dtype`` runs: amx | onednn | torch."""
         if dtype != torch.bfloat16:
             return "torch"
-        return "amx" if self.amx_linear is not None else "onednn" if self.onednn_linear else "torch"
+        if self.amx_linear is not None:
+            return "amx"
+        return "avx512bf16" if self.bf16_linear is not None else "onednn" if self.onednn_linear else "torch"
 
     def describe(self, dtype: torch.dtype | None = None) -> dict:
         """Which kernel runs each piece: logged once at load, shown by /version and the benchmarks."""
@@ -68,6 +71,12 @@ class KernelSet:
 
 def cpu_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
+
+
+def cpu_has_avx512_bf16() -> bool:
+    from .extension import cpu_flags
+
+    return "avx512_bf16" in cpu_flags().split()
 
 
 def _amx_wanted(amx: bool | None) -> bool:
@@ -108,7 +117,7 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         return KernelSet("torch", False, None, None, None, None, None, False)
     if backend == "triton":
         return _triton(dtype)
-    from . import amx_attention, amx_linear, cpu_attention, layer_ops
+    from . import amx_attention, amx_linear, bf16_linear, cpu_attention, layer_ops
 
     use_amx = _amx_wanted(amx)
 
@@ -127,12 +136,15 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         if amx_attention.fits(dtype, head_dim, block_size):
             module = amx_attention.load()
             chunk = module.chunk_attention if module is not None else None
+    linear_bf16 = None
+    if dtype == torch.bfloat16 and linear_amx is None and cpu_has_avx512_bf16():
+        linear_bf16 = need(bf16_linear.load(), "AVX-512 BF16 linear")
     from infer.kernels.onednn import can_pack  # local: the probe runs a tiny matmul
 
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,
                      attention.paged_decode_attention if attention is not None else None,
                      attention.store_kv_ if attention is not None else None, chunk, linear_amx,
-                     dtype == torch.bfloat16 and can_pack(torch.bfloat16))
+                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16)
 
 
 class _TritonLayerOps:

@@ -4,7 +4,8 @@ the hardware matches.
 The runtime makes three choices by a fixed rule that the machine may disagree with; tuning times
 the real alternatives with the model's real shapes and records every timing and the choice:
 
-- ``linear``: per bfloat16 linear shape, AMX tiles / oneDNN's packed layout / plain ``F.linear``
+- ``linear``: per bfloat16 linear shape, AMX tiles / AVX-512 BF16 blocks / oneDNN's packed layout /
+  plain ``F.linear``
   (the weight layout is fixed at load, so one kernel per shape: the one with the least time summed
   over the buckets);
 - ``decode_attention``: per bucket (decode sequences in a step), the C++ paged kernel or gather +
@@ -40,7 +41,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,7 +50,7 @@ log = logging.getLogger("infer.tuning")
 FILE = "tuning.json"
 FORMAT, VERSION = "infer-tuning", 1
 REPEATS, WARMUP, MARGIN = 7, 2, 0.10
-LINEAR_ORDER = ("amx", "onednn", "torch")
+LINEAR_ORDER = ("amx", "avx512bf16", "onednn", "torch")
 ATTENTION_ORDER = ("cpp", "torch-sdpa")
 CONTEXT = 256  # tokens of context per sequence when timing decode attention and steps
 RULE = (f"fastest and median of {REPEATS} timed runs after {WARMUP} warm-up runs; an alternative replaces the "
@@ -119,6 +120,7 @@ def _summed(per_bucket: dict[str, dict]) -> dict:
 class Tuning:
     """A loaded table: the choices the runtime asks for."""
     table: dict
+    _stale: set = field(default_factory=set, repr=False)  # linear shapes already warned about
 
     @classmethod
     def load(cls, path: Path) -> "Tuning":
@@ -143,9 +145,21 @@ class Tuning:
                         "infer-run --retune measures this machine", source, "; ".join(diff))
         return not diff
 
-    def linear(self, in_features: int, out_features: int, dtype: torch.dtype) -> str | None:
-        entry = self.table.get("linear", {}).get(_shape_key(in_features, out_features, dtype))
-        return entry["choice"] if entry else None
+    def linear(self, in_features: int, out_features: int, dtype: torch.dtype, runnable=None) -> str | None:
+        """The table's kernel for a shape; None (the default) where it has none, or where this runtime
+        can run a kernel (``runnable``: their names) that the table never timed against its choice."""
+        key = _shape_key(in_features, out_features, dtype)
+        entry = self.table.get("linear", {}).get(key)
+        if not entry:
+            return None
+        untimed = sorted(set(runnable or ()) - set(entry.get("seconds", {})))
+        if untimed:
+            if key not in self._stale:
+                self._stale.add(key)
+                log.warning("tuning table: linear %s was timed without %s, which this runtime has; using the "
+                            "default kernel for it (infer-run --retune measures them all)", key, ", ".join(untimed))
+            return None
+        return entry["choice"]
 
     def decode_attention(self, decodes: int) -> str | None:
         entry = self.table.get("decode_attention", {}).get(str(bucket_for(decodes, self.buckets)))
@@ -175,7 +189,7 @@ def _linear_candidates(weight: torch.Tensor, kernels) -> dict:
     """The modules one bfloat16 linear can run as, by kernel name (those this machine can run)."""
     from torch import nn
 
-    from infer.kernels import amx_linear
+    from infer.kernels import amx_linear, bf16_linear
 
     from .model.packed_linear import PackedLinear
 
@@ -183,9 +197,11 @@ def _linear_candidates(weight: torch.Tensor, kernels) -> dict:
     plain.weight.copy_(weight)
     out = {}
     if kernels.amx_linear is not None and amx_linear.fits(weight):
-        out["amx"] = PackedLinear(plain, kernels.amx_linear)
+        out["amx"] = PackedLinear(plain, "amx", kernels.amx_linear)
+    if kernels.bf16_linear is not None and bf16_linear.fits(weight):
+        out["avx512bf16"] = PackedLinear(plain, "avx512bf16", kernels.bf16_linear)
     if kernels.onednn_linear:
-        out["onednn"] = PackedLinear(plain, None)
+        out["onednn"] = PackedLinear(plain)
     out["torch"] = plain
     return out
 
@@ -382,7 +398,7 @@ def gpu_check(model_dir: Path, block_size: int = 16, dtype: torch.dtype | None =
 def _kernel_of(module) -> str:
     """What kernel a loaded linear runs today (the default the table compares against)."""
     if type(module).__name__ == "PackedLinear":
-        return "amx" if module.amx is not None else "onednn"
+        return module.kernel
     return "torch"
 
 

@@ -1,4 +1,5 @@
-"""bfloat16 linears with prepacked weights (AMX tiles, oneDNN) against a float64 reference, and in the model."""
+"""bfloat16 linears with prepacked weights (AMX tiles, AVX-512 BF16 blocks, oneDNN) against a float64
+reference, and in the model."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from infer.kernels import amx_linear
+from infer.kernels import amx_linear, bf16_linear
 from infer.kernels.onednn import can_pack
+from infer.kernels.resolver import cpu_has_avx512_bf16
 from infer.runtime.model.packed_linear import PackedLinear, pack_linears
 
 AMX = amx_linear.load()
+BF16 = bf16_linear.load()
+MODULES = {"amx": AMX, "avx512bf16": BF16}
 
 
 def test_packing_is_available_wherever_onednn_is():
@@ -23,8 +27,14 @@ def test_amx_kernel_is_used_wherever_the_cpu_has_amx():
     assert (AMX is not None) == torch.cpu._is_amx_tile_supported()
 
 
+def test_avx512_bf16_kernel_is_built_wherever_the_cpu_has_the_instructions():
+    assert (BF16 is not None) == cpu_has_avx512_bf16()
+
+
 def _kernels():
-    return ["onednn", pytest.param("amx", marks=pytest.mark.skipif(AMX is None, reason="this CPU has no AMX: the AMX kernel cannot run here; the onednn case ran"))]
+    return ["onednn",
+            pytest.param("avx512bf16", marks=pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here; the onednn case ran")),
+            pytest.param("amx", marks=pytest.mark.skipif(AMX is None, reason="this CPU has no AMX: the AMX kernel cannot run here; the onednn case ran"))]
 
 
 def _random_linear(n: int, k: int, bias: bool, gen) -> nn.Linear:
@@ -36,14 +46,15 @@ def _random_linear(n: int, k: int, bias: bool, gen) -> nn.Linear:
 
 
 @pytest.mark.parametrize("kernel", _kernels())
-@pytest.mark.parametrize("rows", [1, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16, 33, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_float64(kernel, rows, bias):
     gen = torch.Generator().manual_seed(torch.initial_seed())
-    # 1536 inputs: 300 rows span two of the AMX kernel's row blocks
+    # 1536 inputs: 300 rows span two of the AMX kernel's row blocks; 96 outputs: one and a half of
+    # the AVX-512 BF16 kernel's 64-column blocks; rows 1..7 take each of its row tiles (6, 4, 2, 1)
     linear = _random_linear(96, 1536 if rows == 300 else 192, bias, gen)
-    packed = PackedLinear(linear, AMX if kernel == "amx" else None)
-    assert (packed.amx is not None) == (kernel == "amx")
+    packed = PackedLinear(linear, kernel, MODULES.get(kernel))
+    assert packed.kernel == kernel
     x = torch.randn(rows, linear.in_features, generator=gen).to(torch.bfloat16)
     want = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
     got = packed(x)
@@ -61,29 +72,56 @@ def test_amx_linear_takes_strided_rows_and_falls_back_on_shapes_it_cannot_tile()
     wide = torch.randn(5, 200, generator=gen).to(torch.bfloat16)
     x = wide[:, 3:99]  # rows 200 apart, as a slice of a fused projection's output is
     want = x.double() @ linear.weight.double().t() + linear.bias.double()
-    got = PackedLinear(linear, AMX)(x)
+    got = PackedLinear(linear, "amx", AMX)(x)
     assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
-    # 80 outputs are not a multiple of 32: that layer stays on oneDNN, with the same results
-    odd = PackedLinear(_random_linear(80, 96, False, gen), AMX)
-    assert odd.amx is None and "kernel=onednn" in repr(odd)
+    # 80 outputs are not a multiple of 32: pack_linears leaves that layer to the next kernel that fits
+    model = _tiny_model(80)
+    pack_linears(model, AMX, bf16=None)
+    assert model.layers[0].mlp.down_proj.kernel == "onednn"
 
 
-@pytest.mark.parametrize("kernel", _kernels())
-def test_pack_linears_swaps_the_decoder_linears_and_with_amx_the_lm_head(kernel):
+@pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here")
+def test_avx512_bf16_linear_takes_strided_rows_and_checks_its_inputs():
+    gen = torch.Generator().manual_seed(torch.initial_seed())
+    linear = _random_linear(130, 96, True, gen)  # 130 outputs: two whole blocks and 2 columns of a third
+    packed = PackedLinear(linear, "avx512bf16", BF16)
+    wide = torch.randn(9, 200, generator=gen).to(torch.bfloat16)
+    x = wide[:, 3:99]  # rows 200 apart, as a slice of a fused projection's output is
+    want = x.double() @ linear.weight.double().t() + linear.bias.double()
+    got = packed(x)
+    assert got.shape == (9, 130)
+    assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    with pytest.raises(RuntimeError, match="97 features"):
+        BF16.bf16_linear(torch.zeros(2, 97, dtype=torch.bfloat16), packed.packed_weight, 130, None)
+    with pytest.raises(RuntimeError, match="do not match"):
+        BF16.bf16_linear(x.contiguous(), packed.packed_weight, 200, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        BF16.bf16_linear(x.contiguous(), packed.packed_weight, 130, linear.bias)  # bf16 bias: refused
+    assert not bf16_linear.fits(torch.zeros(8, 7, dtype=torch.bfloat16))  # odd K: stays on oneDNN
+
+
+def _tiny_model(intermediate: int = 128):
     from infer.runtime.model import ModelConfig, Transformer
 
-    amx = AMX if kernel == "amx" else None
-    cfg = ModelConfig("llama", 320, 64, 128, 2, 4, 2, 16, 1e-5, 10000.0, 128, True, False)
+    cfg = ModelConfig("llama", 320, 64, intermediate, 2, 4, 2, 16, 1e-5, 10000.0, 128, True, False)
     model = Transformer(cfg).to(torch.bfloat16).eval().requires_grad_(False)
     for p in model.parameters():
         p.normal_(0, 0.2)
     model.lm_head.weight = model.embed_tokens.weight  # tied, as in the embedded model
+    return model
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_pack_linears_swaps_the_decoder_linears_and_with_amx_or_avx512_bf16_the_lm_head(kernel):
+    model = _tiny_model()
     ids = torch.randint(0, 320, (1, 12))
     with torch.inference_mode():
         before = model.logits(ids)
-    assert pack_linears(model, amx) == 2 * 4 + (amx is not None)
-    assert type(model.layers[1].mlp.down_proj) is PackedLinear
-    assert type(model.lm_head) is (PackedLinear if amx is not None else nn.Linear)
+    streams = kernel != "onednn"  # a kernel that streams the weights takes the LM head too
+    assert pack_linears(model, AMX if kernel == "amx" else None, bf16=BF16 if kernel == "avx512bf16" else None) \
+        == 2 * 4 + streams
+    assert model.layers[1].mlp.down_proj.kernel == kernel
+    assert type(model.lm_head) is (PackedLinear if streams else nn.Linear)
     assert model.embed_tokens.weight.shape == (320, 64)  # lookups keep the plain embedding
     with torch.inference_mode():
         after = model.logits(ids)

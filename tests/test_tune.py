@@ -38,9 +38,10 @@ def _table(hardware: dict, dtype: str = "bfloat16") -> dict:
     """A table choosing what the defaults are not: plain torch for the MLP's down projection, gather +
     SDPA for one decode, one thread for small steps."""
     entry = lambda default, choice: {"seconds": {}, "default": default, "choice": choice}  # noqa: E731
+    timed = {kernel: {} for kernel in tuning.LINEAR_ORDER}  # every linear kernel there is was timed
     return {"format": tuning.FORMAT, "version": tuning.VERSION, "hardware": hardware, "buckets": [1, 4, 64],
             "rule": tuning.RULE, "dtype": dtype,
-            "linear": {f"1536x576:{dtype}": entry("onednn", "torch")},
+            "linear": {f"1536x576:{dtype}": {**entry("onednn", "torch"), "seconds": timed}},
             "decode_attention": {"1": entry("cpp", "torch-sdpa"), "4": entry("cpp", "cpp"), "64": entry("cpp", "cpp")},
             "threads": {"1": entry("2", "1"), "4": entry("2", "1"), "64": entry("2", "2")}}
 
@@ -66,6 +67,21 @@ def test_a_table_from_other_hardware_is_ignored_with_one_warning_naming_what_dif
     assert len(warnings) == 1 and "Some Other CPU" in warnings[0] and "amx" in warnings[0], warnings
     assert llm.engine.tuning is None
     assert type(llm.engine.model.layers[0].mlp.down_proj).__name__ == "PackedLinear"  # the defaults
+
+
+def test_a_linear_choice_timed_without_a_kernel_this_runtime_has_is_not_followed(bf16_artifact, tmp_path, caplog):
+    """A table from before a kernel existed chose among fewer: its choice for that shape is stale."""
+    from infer.runtime import LLM
+
+    table = _table(tuning.hardware())
+    runs_here = LLM(bf16_artifact, tuning="off", kv_cache_memory=64 << 20).engine.model.layers[0].mlp.down_proj.kernel
+    table["linear"]["1536x576:bfloat16"]["seconds"] = {"torch": {}}  # timed against torch alone
+    path = tuning.write(table, tmp_path / "old.json")
+    with caplog.at_level(logging.WARNING, logger="infer.tuning"):
+        llm = LLM(bf16_artifact, tuning=str(path), kv_cache_memory=64 << 20)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "infer.tuning"]
+    assert len(warnings) == 1 and "1536x576" in warnings[0] and runs_here in warnings[0], warnings
+    assert llm.engine.model.layers[0].mlp.down_proj.kernel == runs_here  # the default, not the stale "torch"
 
 
 def test_a_matching_table_is_followed_and_changes_no_output(bf16_artifact, tmp_path):

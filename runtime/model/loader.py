@@ -163,6 +163,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
         from .packed_linear import pack_linears
 
         pack_linears(model, kernels.amx_linear, kernels.onednn_linear,
-                     (lambda i, o: tuning.linear(i, o, dtype)) if tuning is not None else None)
+                     (lambda i, o, runs: tuning.linear(i, o, dtype, runs)) if tuning is not None else None,
+                     kernels.bf16_linear)
     model.kernels = kernels
     return model.eval().requires_grad_(False)

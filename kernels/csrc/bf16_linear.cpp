@@ -1,0 +1,120 @@
+// bfloat16 linears on AVX-512 BF16 (vdpbf16ps), for CPUs that have those instructions but no AMX.
+//
+// A decode step multiplies one row (or a few) by every weight of the model: the weights stream
+// from memory once per step, and how close a step comes to the memory-bandwidth floor is how
+// steadily they stream. The weight is stored once, at load, as one sequential stream per block
+// of 64 output columns: [N/64][K/2][64][2], each k pair of the block's 64 columns side by side, the
+// pair layout vdpbf16ps multiplies against a broadcast pair of x. A tile of rows x 64 columns reads
+// its block front to back and keeps every partial sum in registers, lanes = output columns, so
+// there is no horizontal reduction; more rows reuse each weight load (6 rows: 24 accumulators),
+// which is what makes the same layout fast for prompt chunks too.
+//
+// Sums are float32 (bf16 products are exact in float32), the bias is added in float32, and each
+// output is rounded once to bfloat16 (nearest even), as oneDNN and torch's bf16 linears do; the
+// order of the additions differs, so results agree to bfloat16 rounding, not bit for bit.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "simd_math.h"
+
+#include <cstdint>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t BLOCK_N = 64;  // output columns per weight block (4 x 16 lanes)
+constexpr int LANES = 4;         // 16-lane accumulators per row of a tile
+
+inline __m256i to_bf16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
+}
+
+// y[0:ROWS, n0:n0+64] = x[0:ROWS] . block + bias, for one 64-column weight block.
+template <int ROWS>
+inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* block, const float* bias,
+                 uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+  __m512 acc[ROWS][LANES];
+  for (int j = 0; j < LANES; ++j) {
+    const int64_t col = n0 + 16 * j;
+    const __mmask16 live = col >= n ? 0 : col + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) acc[r][j] = b;
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* w = block + p * BLOCK_N * 2;
+    __m512bh wv[LANES];
+    for (int j = 0; j < LANES; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < LANES; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], xv);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < LANES; ++j) {
+      const int64_t col = n0 + 16 * j;
+      if (col + 16 <= n)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + col), to_bf16(acc[r][j]));
+      else if (col < n)
+        _mm256_mask_storeu_epi16(y + r * ldy + col, static_cast<__mmask16>((1u << (n - col)) - 1), to_bf16(acc[r][j]));
+    }
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/64), K/2, 64, 2] (kernels/bf16_linear.py);
+// bias: float32 [N] or None. Returns [M, N] bfloat16.
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "bf16_linear: x must be a [M, K] bfloat16 tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == BLOCK_N && packed.size(3) == 2,
+              "bf16_linear: the weight must be packed by kernels/bf16_linear.py");
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0);
+  TORCH_CHECK(k == 2 * pairs, "bf16_linear: x has ", k, " features, the packed weight ", 2 * pairs);
+  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "bf16_linear: ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bf16_linear: bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t ldx = x.stride(0), block_elems = pairs * BLOCK_N * 2;
+  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t blk = first; blk < last; ++blk) {
+      const uint16_t* w = wp + blk * block_elems;
+      const int64_t n0 = blk * BLOCK_N;
+      int64_t r = 0;
+      for (; r + 6 <= m; r += 6) tile<6>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
+      for (; r + 4 <= m; r += 4) tile<4>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
+      for (; r + 2 <= m; r += 2) tile<2>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
+      for (; r < m; ++r) tile<1>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
+    }
+  });
+  return y;
+}
+
+bool available() { return true; }
+
+#else
+
+torch::Tensor bf16_linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "bf16_linear: built for a CPU without AVX-512 BF16");
+}
+
+bool available() { return false; }
+
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear", &bf16_linear, "bfloat16 linear on AVX-512 BF16 over a packed weight (CPU)");
+  m.def("available", &available, "whether this build has the AVX-512 BF16 kernel");
+}
