@@ -21,7 +21,11 @@ For each of float32, bfloat16 and the quantized schemes (SCHEMES: the smollm2_13
 
 ``--keep DIR --build-only`` builds (and records the build figures of) some schemes; a later
 ``--keep DIR --reuse`` run measures every row in one process, so the speeds and perplexities compare
-within one run. Each reused row keeps the calibration it was built with (``calibration`` in the row).
+within one run (``--wait-builds``: rows still being built by a ``--build-only`` process are waited for).
+Each reused row keeps the calibration it was built with (``calibration`` in the row). A row whose gates
+stopped its build (``fp8_auto`` and ``w8a8_auto`` when no candidate reaches the greedy-agreement gate)
+is not measured: its figures are its candidates' gate metrics, under ``not_published``. The baseline's
+chat answers are computed once for all rows (``BaselineMemo``).
 
 Calibration defaults are smaller than the recipes' (128 x 512): on a 2-core machine GPTQ takes
 minutes per model. Pass --calib-samples 128 --calib-seq-len 512 for the release settings.
@@ -48,6 +52,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SCHEMES = {
     "fp8": ("FP8 dynamic (layer 29's MLP in float)", ["recipe=smollm2_135m_fp8"]),
     "w8a8": ("W8A8, SmoothQuant strength chosen by the gates", ["recipe=smollm2_135m_w8a8"]),
+    "fp8_auto": ("FP8 dynamic, accuracy-gated float layers", ["recipe=smollm2_135m_fp8_auto"]),
+    "w8a8_auto": ("W8A8 SmoothQuant 0.8, accuracy-gated float layers", ["recipe=smollm2_135m_w8a8_auto"]),
     "gptq": ("W4A16 GPTQ g64 sym", ["recipe=smollm2_135m_gptq"]),
     "gptq_raw": ("W4A16 GPTQ g64 sym, raw-text calibration only", ["recipe=smollm2_135m_gptq", "calib.chat_fraction=0"]),
     "gptq_llmc": ("W4A16 GPTQ g64 sym, llm-compressor driven directly", None),
@@ -55,7 +61,7 @@ SCHEMES = {
     "gptq_g32_asym": ("W4A16 GPTQ g32 asym", ["recipe=smollm2_135m_gptq_g32_asym"]),
     "awq": ("W4A16 AWQ g64 sym", ["recipe=smollm2_135m_awq"]),
 }
-DEFAULT_SCHEMES = "fp8,gptq,gptq_llmc,gptq_auto,gptq_g32_asym,w8a8"
+DEFAULT_SCHEMES = "fp8,fp8_auto,gptq,gptq_llmc,gptq_auto,gptq_g32_asym,w8a8,w8a8_auto"
 
 
 def build(overrides: list[str], out: Path, cache: Path, threads: int | None = None) -> dict:
@@ -248,11 +254,13 @@ def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = 
 def chat_metrics(path: Path, baseline: Path, prompts: int, tokens: int) -> dict:
     """Against ``baseline`` on the chat prompts (eval/tasks/chat_prompts.jsonl, chat template applied):
     greedy agreement, and KL divergence and top-1 agreement over the baseline's answers."""
-    from infer.eval.metrics import compare_on_chat, load_prompts
+    from infer.eval.metrics import compare_on_chat, load_prompts, model_identity
     from infer.eval.runner import open_llm
 
     ps = load_prompts("default", prompts)
-    c = compare_on_chat(open_llm(path, 512 + tokens), open_llm(baseline, 512 + tokens), ps, tokens)
+    # the baseline's answers and their distributions are computed once for all rows (BaselineMemo)
+    identity = model_identity(json.loads((baseline / "manifest.json").read_text()))
+    c = compare_on_chat(open_llm(path, 512 + tokens), open_llm(baseline, 512 + tokens), ps, tokens, memo_key=identity)
     return {k: round(c[k], 4) if isinstance(c[k], float) else c[k] for k in
             ("prompts", "chat_tokens", "greedy_agreement", "greedy_exact_match", "chat_mean_kld", "chat_top1_agreement")}
 
@@ -279,6 +287,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", type=Path, default=None, help="keep the artifacts, the cache and build figures here")
     ap.add_argument("--reuse", action="store_true", help="with --keep: reuse artifacts built by an earlier run")
     ap.add_argument("--build-only", action="store_true", help="with --keep: build (or reuse), measure nothing")
+    ap.add_argument("--wait-builds", action="store_true",
+                    help="with --reuse: a row not built yet is being built by another --build-only process; wait for "
+                         "its figures instead of building it")
     ap.add_argument("--note", default=None, help="a note saved with the results (where rows come from, load)")
     ap.add_argument("--fp8-sensitivity", type=Path, default=None, metavar="FLOAT_ARTIFACT",
                     help="rank the linear layers of a float artifact by their FP8 error alone (one window of "
@@ -317,7 +328,13 @@ def main(argv=None) -> dict:
         for name, label, overrides in runs:
             out = keep / name
             figures = keep / f"{name}.build.json"
-            if args.reuse and figures.is_file() and (out / "manifest.json").is_file():
+            if args.reuse and args.wait_builds and not args.build_only:
+                while not figures.is_file():  # another process is building this row: its figures end it
+                    print(f"[{name}] waiting for {figures} ...", file=sys.stderr, flush=True)
+                    time.sleep(30)
+            reusable = figures.is_file() and ((out / "manifest.json").is_file()
+                                              or json.loads(figures.read_text()).get("gate_failed"))
+            if args.reuse and reusable:  # a published artifact, or a build its gates stopped (its figures)
                 built = json.loads(figures.read_text())
             else:
                 print(f"[{name}] building ...", file=sys.stderr, flush=True)

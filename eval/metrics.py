@@ -147,19 +147,29 @@ def engine_perplexity(llm, windows: Sequence[Window]) -> dict:
     return result
 
 
-def compare_distributions(variant_model, baseline_model, windows: Sequence[Window]) -> dict:
-    """llama.cpp's --kl-divergence statistics from both models' full next-token distributions."""
+def compare_distributions(variant_model, baseline_model, windows: Sequence[Window],
+                          baseline_logprobs: list[torch.Tensor] | None = None, keep_baseline: bool = False) -> dict:
+    """llama.cpp's --kl-divergence statistics from both models' full next-token distributions.
+
+    ``baseline_logprobs``: the baseline's log-softmax per window, when an earlier call computed them (see
+    ``BaselineMemo``); ``keep_baseline``: return the ones computed here under ``"_baseline_logprobs"``
+    (unless larger than ``BaselineMemo.MAX_FLOATS``)."""
     klds, agree, nll_v, nll_b, dp = [], [], [], [], []
     per_window = []
     start = time.perf_counter()
-    hidden_v, hidden_b = _LayerTap(variant_model), _LayerTap(baseline_model)
+    hidden_v = _LayerTap(variant_model)
+    hidden_b = _LayerTap(baseline_model if baseline_logprobs is None else None)
     layer_err: list[list[float]] = []
-    for w in windows:
+    kept: list[torch.Tensor] = []
+    for n, w in enumerate(windows):
         ids = torch.tensor([w.ids])
         rows = slice(w.score_from - 1, len(w.ids) - 1)  # row j predicts token j + 1
         targets = ids[0, w.score_from:]
         lv = variant_model.logits(ids)[0, rows].float().log_softmax(-1)
-        lb = baseline_model.logits(ids)[0, rows].float().log_softmax(-1)
+        lb = baseline_model.logits(ids)[0, rows].float().log_softmax(-1) if baseline_logprobs is None \
+            else baseline_logprobs[n]
+        if keep_baseline:
+            kept.append(lb)
         if hidden_v.outputs and len(hidden_v.outputs) == len(hidden_b.outputs):
             layer_err.append([float((hv.float() - hb.float()).norm() / hb.float().norm().clamp_min(1e-12))
                               for hv, hb in zip(hidden_v.outputs, hidden_b.outputs)])
@@ -174,6 +184,8 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         dp.append((tv.exp() - tb.exp()).double().numpy())
         per_window.append((float(klds[-1].mean()), float(agree[-1].mean()), int(klds[-1].size)))
         del lv, lb
+    keep = {"_baseline_logprobs": kept} if keep_baseline and baseline_logprobs is None and \
+        sum(t.numel() for t in kept) <= BaselineMemo.MAX_FLOATS else {}
     hidden_v.remove(), hidden_b.remove()
     kld, same, nv, nb, delta = (np.concatenate(x) for x in (klds, agree, nll_v, nll_b, dp))
     ppl_v, ppl_b = math.exp(nv.mean()), math.exp(nb.mean())
@@ -195,6 +207,7 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         # per window (a chat prompt's answer): mean KLD, top-1 agreement, tokens: for the spread over prompts
         "per_window": [{"mean_kld": k, "top1_agreement": a, "tokens": n} for k, a, n in per_window],
         "seconds": round(time.perf_counter() - start, 3),
+        **keep,
     }
 
 
@@ -203,7 +216,8 @@ class _LayerTap:
 
     def __init__(self, model):
         self.outputs: list[torch.Tensor] = []
-        self.handles = [layer.register_forward_hook(self._hook) for layer in getattr(model, "layers", [])]
+        self.handles = [layer.register_forward_hook(self._hook) for layer in getattr(model, "layers", [])] \
+            if model is not None else []
 
     def remove(self) -> None:
         for h in self.handles:
@@ -230,15 +244,60 @@ def greedy_outputs(llm, prompts: Sequence[str] | Sequence[Sequence[int]], max_to
     return [list(o.token_ids) for o in outs]
 
 
-def compare_on_chat(llm, base_llm, prompts: Sequence[str], max_tokens: int) -> dict:
+class BaselineMemo:
+    """What a baseline computes on fixed inputs, kept in this process: candidates gated in turn against one
+    baseline (pipeline/gate.py, choose_and_build) and the benchmark's rows against bfloat16 read the
+    baseline's perplexity, greedy answers and answer distributions once. The engine is deterministic, so
+    a kept value is the value a fresh computation gives (same model files, same inputs: the key)."""
+
+    MAX_FLOATS = 400_000_000  # ~1.6 GB of float32: larger answer distributions are not kept
+    _store: dict[str, dict] = {}
+    _order: list[str] = []
+
+    @classmethod
+    def key(cls, identity, *inputs) -> str:
+        import hashlib
+
+        return hashlib.sha256(json.dumps([identity, *inputs], sort_keys=True, default=str).encode()).hexdigest()
+
+    @classmethod
+    def get(cls, key: str | None) -> dict | None:
+        return None if key is None else cls._store.get(key)
+
+    @classmethod
+    def put(cls, key: str | None, value: dict) -> None:
+        if key is None:
+            return
+        if key not in cls._store:
+            cls._order.append(key)
+        cls._store[key] = value
+        while len(cls._order) > 2:  # two baselines at most (their chat distributions are ~0.3 GB each)
+            cls._store.pop(cls._order.pop(0), None)
+
+    @classmethod
+    def clear(cls) -> None:
+        cls._store.clear(), cls._order.clear()
+
+
+def compare_on_chat(llm, base_llm, prompts: Sequence[str], max_tokens: int, memo_key: str | None = None) -> dict:
     """Greedy agreement on chat prompts, then both models' next-token distributions over the
-    baseline's answers: KL divergence and top-1 agreement where the user reads."""
+    baseline's answers: KL divergence and top-1 agreement where the user reads.
+
+    ``memo_key`` (``BaselineMemo.key`` of the baseline's model identity): the baseline's answers and their
+    distributions are computed once per process for it."""
     ids = chat_prompt_ids(llm.tokenizer, prompts)
-    ours, theirs = greedy_outputs(llm, ids, max_tokens), greedy_outputs(base_llm, ids, max_tokens)
+    key = None if memo_key is None else BaselineMemo.key(memo_key, "chat", ids, max_tokens)
+    kept = BaselineMemo.get(key)
+    ours = greedy_outputs(llm, ids, max_tokens)
+    theirs = kept["answers"] if kept else greedy_outputs(base_llm, ids, max_tokens)
     out = greedy_agreement(ours, theirs)
     windows = [Window(p + a, len(p)) for p, a in zip(ids, theirs) if a]
     if windows:
-        comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows)
+        comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows,
+                                     baseline_logprobs=kept["logprobs"] if kept else None,
+                                     keep_baseline=key is not None and not kept)
+        if not kept and "_baseline_logprobs" in comp:
+            BaselineMemo.put(key, {"answers": theirs, "logprobs": comp["_baseline_logprobs"]})
         out.update(chat_tokens=comp["tokens"], chat_mean_kld=comp["mean_kld"], chat_p99_kld=comp["p99_kld"],
                    chat_max_kld=comp["max_kld"], chat_top1_agreement=comp["top1_agreement"],
                    chat_per_prompt=comp["per_window"])
@@ -315,13 +374,18 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
             if base_llm.tokenizer.encode("Hello, world! 123") != llm.tokenizer.encode("Hello, world! 123"):
                 raise EvalError(f"{base.path}: its tokenizer differs from {art.path}'s; a baseline must share it")
             result["baseline"] = artifact_summary(base.path, base.manifest)
-            say("baseline perplexity")
-            result["baseline_perplexity"] = engine_perplexity(base_llm, windows)
+            identity = model_identity(base.manifest)
+            ppl_key = BaselineMemo.key(identity, "perplexity", [(w.ids, w.score_from) for w in windows])
+            kept = BaselineMemo.get(ppl_key)
+            say("baseline perplexity" + (" (kept from an earlier evaluation in this process)" if kept else ""))
+            result["baseline_perplexity"] = dict(kept) if kept else engine_perplexity(base_llm, windows)
+            if not kept:
+                BaselineMemo.put(ppl_key, result["baseline_perplexity"])
             say("KL divergence and top-1 agreement against the baseline")
             comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows)
             if prompts:
                 say("chat prompts: greedy agreement, KL divergence and top-1 agreement on %d prompts", len(prompts))
-                comp.update(compare_on_chat(llm, base_llm, prompts, settings.greedy_tokens))
+                comp.update(compare_on_chat(llm, base_llm, prompts, settings.greedy_tokens, memo_key=identity))
             result["comparison"] = comp
             del base_llm
         p, pb = result["perplexity"]["ppl"], result["baseline_perplexity"]["ppl"]

@@ -61,8 +61,9 @@ class QuantSpec:
     # layers quantized at wide_bits (int8 per channel, weight-only) instead of bits: a second config group
     wide_layers: list[str] = field(default_factory=list)
     wide_bits: int = 8
-    # accuracy-gated mixed precision (gptq/awq): widen the layers whose quantization hurts most, until
-    # the eval gates pass or the artifact is size_budget_pct larger than with every layer at bits
+    # accuracy-gated mixed precision: widen the layers whose quantization hurts most (gptq/awq: to int8,
+    # wide_layers; fp8/w8a8: to float, added to ignore), until the eval gates pass or the artifact is
+    # size_budget_pct larger than the plain quantized one (pipeline/quantize.py, auto_steps)
     auto: bool = False
     size_budget_pct: float = 10.0
 

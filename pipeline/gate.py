@@ -14,7 +14,8 @@ After ``package`` and before ``publish``, when the recipe's ``eval`` section ask
    ``eval.json``, ``report.md``, ``report.html`` and ``plots/``, all listed in a new manifest.
 
 A recipe may leave a choice to the gates (``choose_and_build``): ``quant.smoothing_strength`` as a
-list of candidates (w8a8), or ``quant.auto=true`` (accuracy-gated mixed precision, gptq/awq). Each
+list of candidates (w8a8), or ``quant.auto=true`` (accuracy-gated mixed precision: gptq/awq widen layers to
+int8, fp8/w8a8 keep them in float). Each
 candidate is an ordinary build of its own settings (its stages cached like any other); they are
 built and gated in turn and the first that passes every gate is published, with every candidate
 tried, its metrics and its size in ``eval.json``, the report and the manifest (``selection``).
@@ -92,7 +93,8 @@ def chooses(cfg: BuildConfig) -> bool:
     from .quantize import smoothing_candidates
 
     q = cfg.quant
-    return q.method != QuantMethod.none and (len(smoothing_candidates(cfg)) > 1 or q.auto)
+    # quant.auto on method none is a choice too: choose_and_build refuses it, naming the fix
+    return q.auto or (q.method != QuantMethod.none and len(smoothing_candidates(cfg)) > 1)
 
 
 def candidate_row(label: str, settings: dict, doc: dict, size_bytes: int | None = None) -> dict:
@@ -124,9 +126,11 @@ def choose_and_build(cfg: BuildConfig, build):
     from .stage import BuildError
 
     global _SELECTION
-    if cfg.quant.auto and cfg.quant.method not in (QuantMethod.gptq, QuantMethod.awq):
-        raise BuildError(f"quant.auto=true: accuracy-gated mixed precision widens 4-bit layers; method "
-                         f"{cfg.quant.method.value} has none; valid with: gptq, awq")
+    from .quantize import FLOAT_WIDENED, auto_problem
+
+    problem = auto_problem(cfg)
+    if problem:
+        raise BuildError(problem)
     if not wanted(cfg) or all(v is None for v in asdict(cfg.eval.gates).values()):
         key = "quant.auto=true" if cfg.quant.auto else f"quant.smoothing_strength={cfg.quant.smoothing_strength}"
         raise BuildError(f"{key}: the candidates are chosen by the eval gates, and none is set; add eval=release "
@@ -134,9 +138,14 @@ def choose_and_build(cfg: BuildConfig, build):
     if cfg.quant.auto:
         from .quantize import auto_steps
 
-        key, rule = "quant.wide_layers", ("plain first, then the most sensitive layers widened to "
-                                          f"{cfg.quant.wide_bits} bits until the gates pass or the size budget "
-                                          f"(+{cfg.quant.size_budget_pct:g}%) is spent")
+        if cfg.quant.method.value in FLOAT_WIDENED:
+            key, rule = "quant.ignore", ("plain first, then the most sensitive layers kept in float (added to "
+                                         "quant.ignore) until the gates pass or the size budget "
+                                         f"(+{cfg.quant.size_budget_pct:g}%) is spent")
+        else:
+            key, rule = "quant.wide_layers", ("plain first, then the most sensitive layers widened to "
+                                              f"{cfg.quant.wide_bits} bits until the gates pass or the size budget "
+                                              f"(+{cfg.quant.size_budget_pct:g}%) is spent")
         record = {"key": key, "rule": rule, "candidates": []}
         steps = auto_steps(cfg, record, lambda c: build(c, publish_artifact=False))
     else:
@@ -197,7 +206,7 @@ def _seal(packaged: Path, out: Path, doc: dict, stage_keys: dict) -> dict:
             "key": sel["key"], "rule": sel["rule"], "chosen": sel["chosen"],
             "candidates": [{k: r[k] for k in ("candidate", "settings", "passed", "size_bytes", *CANDIDATE_METRICS)}
                            for r in sel["candidates"]]}
-        for k in ("sensitivity", "widening_cost_bytes", "plain_size_bytes", "budget_bytes"):
+        for k in ("sensitivity", "widening_cost_bytes", "plain_size_bytes", "budget_bytes", "wide_format"):
             if k in sel:
                 manifest["evaluation"]["selection"][k] = sel[k]
     sealed = write_manifest(out, manifest)

@@ -68,6 +68,35 @@ class QuantPlan:
         return out
 
 
+FLOAT_WIDENED = ("fp8", "w8a8")  # quant.auto's wider format for these: float (the layer joins quant.ignore)
+
+
+def auto_problem(cfg: BuildConfig) -> str | None:
+    """Why ``quant.auto=true`` cannot work with the other quant settings (None: it can), naming the fix."""
+    q = cfg.quant
+    method = q.method.value
+    if not q.auto:
+        return None
+    if method in ("gptq", "awq"):
+        if q.bits != 4:
+            return (f"quant.auto=true: with {method} the wider format is int{q.wide_bits} (quant.wide_bits), "
+                    f"which needs quant.bits=4 (got {q.bits}); set quant.bits=4, or use method w8a8 or fp8, "
+                    f"whose wider format is float")
+        return None
+    if method in FLOAT_WIDENED:
+        if q.wide_layers:
+            return (f"quant.auto=true: with {method} the widened layers stay in float (they join quant.ignore); "
+                    f"quant.wide_layers={list(q.wide_layers)} (int{q.wide_bits} weight-only) does not apply; "
+                    f"remove quant.wide_layers")
+        if len(smoothing_candidates(cfg)) > 1:
+            return (f"quant.auto=true with quant.smoothing_strength={smoothing_candidates(cfg)}: the gates choose "
+                    f"one thing at a time; set one SmoothQuant strength (smollm2_135m_w8a8's gates chose 0.8 at "
+                    f"128 x 512 calibration) and let quant.auto choose the float layers")
+        return None
+    return (f"quant.auto=true: method {method} quantizes nothing, so there is nothing to widen; valid with: "
+            f"gptq, awq (widened to int8), w8a8, fp8 (widened to float)")
+
+
 def smoothing_candidates(cfg: BuildConfig) -> list[float]:
     """quant.smoothing_strength as a list of candidates (one number: one candidate)."""
     s = cfg.quant.smoothing_strength
@@ -118,9 +147,9 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
     if len(strengths) > 1:
         raise QuantError(f"quant.smoothing_strength={strengths}: several candidates are chosen between by the eval "
                          f"gates (infer-build chooses and builds them in turn); one build takes one number")
-    if q.auto and method not in ("gptq", "awq"):
-        raise QuantError(f"quant.auto=true: accuracy-gated mixed precision widens 4-bit layers; method {method} "
-                         f"has none; valid with: gptq, awq")
+    problem = auto_problem(cfg)
+    if problem:
+        raise QuantError(problem)
     wide = []
     for pattern in q.wide_layers:
         hits = [lin.name for lin in targets if matches(pattern, lin.name)]
@@ -364,21 +393,48 @@ def widening_cost(parts: list[HFLinear], cfg: BuildConfig, scale_bytes: int = 4)
     return cost
 
 
-def layer_sensitivity(float_dir: Path, quant_dir: Path, windows: list[list[int]], groups) -> dict[str, float]:
-    """Mean KL(float || float with only this fused linear's weights replaced by the quantized ones), per
-    token over ``windows``: how much quantizing that one linear costs the output distribution.
+def float_widening_cost(parts: list[HFLinear], float_bytes: int = 4, scale_bytes: int = 4) -> int:
+    """Bytes a fused linear grows by in float (``float_bytes`` a weight: the checkpoint's dtype) instead of
+    8 bits a weight with one scale per output channel (fp8, w8a8)."""
+    return sum(p.out_features * p.in_features * (float_bytes - 1) - p.out_features * scale_bytes for p in parts)
+
+
+def fake_quant_scheme(method: str) -> dict:
+    """The runtime's quantization args (weights per channel, activations per token, dynamic) of an 8-bit
+    method, for ``layer_sensitivity``'s fake quantization."""
+    kind = {"fp8": "float", "w8a8": "int"}[method]
+    return {"weights": {"num_bits": 8, "type": kind, "symmetric": True, "strategy": "channel"},
+            "input_activations": {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True,
+                                  "strategy": "token"}}
+
+
+def layer_sensitivity(float_dir: Path, quant_dir: Path | None, windows: list[list[int]], groups,
+                      fake_quant: str | None = None) -> dict[str, float]:
+    """Mean KL(float || float with only this fused linear quantized), per token over ``windows``: how much
+    quantizing that one linear costs the output distribution.
+
+    ``fake_quant=None`` (gptq, awq: weight-only): the linear's weights are replaced by ``quant_dir``'s
+    quantized ones, dequantized. ``fake_quant="fp8"|"w8a8"``: the linear is fake-quantized in place as the
+    runtime computes the scheme (weights round-to-nearest per output channel, its inputs per token,
+    dynamic: scale absmax / 448 for e4m3, absmax / 127.5 for int8; ``quant_dir`` is not read). For fp8 that
+    is exactly what the build writes (FP8_DYNAMIC is data-free); for w8a8 it leaves out SmoothQuant and
+    GPTQ's error compensation, so it ranks the linears by the scheme's own error.
 
     In transformers, float32: each decoder layer's inputs are kept from one float pass, so a linear in
     layer L costs a forward of layers L.. only."""
     import torch
     import transformers
 
-    from infer.runtime.model.compressed_tensors import read_quantized
+    from infer.runtime.model.compressed_tensors import Args, read_quantized
     from infer.runtime.model.loader import read_state_dict
+    from infer.runtime.model.quant_linear import fake_quantize_activations
 
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
-    qcfg = json.loads((Path(quant_dir) / "config.json").read_text())["quantization_config"]
-    qstate = read_state_dict(quant_dir)
+    if fake_quant is None:
+        qcfg = json.loads((Path(quant_dir) / "config.json").read_text())["quantization_config"]
+        qstate = read_state_dict(quant_dir)
+    else:
+        fq = {k: Args.from_config(v) for k, v in fake_quant_scheme(fake_quant).items()}
     layers = model.model.layers
     captured: dict[int, tuple] = {}
 
@@ -407,14 +463,21 @@ def layer_sensitivity(float_dir: Path, quant_dir: Path, windows: list[list[int]]
     with torch.no_grad():
         for name, parts in groups:
             i = int(name.split(".")[1])
-            saved = {}
+            saved, hooks = {}, []
             for p in parts:
                 mod = model.get_submodule(p.name)
-                w = read_quantized(dict(qstate), qcfg, p.name)
                 saved[p.name] = mod.weight.data
-                mod.weight.data = w.dequantize(torch.float32)
+                if fake_quant is None:
+                    mod.weight.data = read_quantized(dict(qstate), qcfg, p.name).dequantize(torch.float32)
+                else:
+                    mod.weight.data = fake_quantize_activations(saved[p.name], fq["weights"], None)
+                    hooks.append(mod.register_forward_pre_hook(
+                        lambda m, a: (fake_quantize_activations(a[0].reshape(-1, a[0].shape[-1]),
+                                                                fq["input_activations"], None).reshape(a[0].shape),)))
             lq = from_layer(i)
             out[name] = float((ref.exp() * (ref - lq)).sum(-1).mean())
+            for h in hooks:
+                h.remove()
             for p in parts:
                 model.get_submodule(p.name).weight.data = saved[p.name]
     return out
@@ -424,14 +487,23 @@ AUTO_STEPS = (0.25, 0.5, 1.0)  # shares of the size budget tried in turn, after 
 
 
 def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
-    """The candidates of ``quant.auto``, lazily: every layer at quant.bits first; when that fails its gates,
-    each fused linear's sensitivity (``layer_sensitivity`` on calibration windows, against the unquantized
-    model) and widening cost, then the most sensitive linears per byte widened to quant.wide_bits in
-    steps of AUTO_STEPS of the budget (quant.size_budget_pct of the plain artifact's size)."""
+    """The candidates of ``quant.auto``, lazily: every layer quantized first (the recipe as it is, auto off);
+    when that fails its gates, each fused linear's sensitivity (``layer_sensitivity`` on calibration windows,
+    against the unquantized model) and widening cost, then the most sensitive linears per byte widened in
+    steps of AUTO_STEPS of the budget (quant.size_budget_pct of the plain artifact's size).
+
+    The wider format: gptq/awq (4-bit) widen to quant.wide_bits (int8 per channel, ``quant.wide_layers``);
+    fp8 and w8a8 (8-bit) widen to float, the checkpoint's dtype (the layer joins ``quant.ignore``)."""
     from dataclasses import replace
 
-    plain = replace(cfg, quant=replace(cfg.quant, auto=False, wide_layers=[]))
-    yield "plain", {"quant.wide_layers": []}, plain
+    method = cfg.quant.method.value
+    to_float = method in FLOAT_WIDENED
+    problem = auto_problem(cfg)
+    if problem:
+        raise QuantError(problem)
+    plain = replace(cfg, quant=replace(cfg.quant, auto=False, **({} if to_float else {"wide_layers": []})))
+    key = "quant.ignore" if to_float else "quant.wide_layers"
+    yield "plain", {key: list(plain.quant.ignore) if to_float else []}, plain
     from .config import baseline_config
 
     packaged = build_unpublished(plain).artifact
@@ -442,16 +514,24 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
     windows, _ = calibration_windows(plain, packaged)
     pick = [windows[0], windows[-1]] if len(windows) > 1 else windows[:1]  # a raw and a chat window
     pick = [w[:256] for w in pick]
-    log.info("quant.auto: sensitivity of %d fused linears on %d windows of %d tokens", len(groups), len(pick),
-             len(pick[0]))
-    sens = layer_sensitivity(unquantized.artifact, packaged, pick, groups)
-    scale_bytes = 2 if (config.get("dtype") or config.get("torch_dtype")) in ("bfloat16", "float16") else 4
-    cost = {name: widening_cost(parts, plain, scale_bytes) for name, parts in groups}
+    log.info("quant.auto: sensitivity of %d fused linears on %d windows of %d tokens%s", len(groups), len(pick),
+             len(pick[0]), f" ({method} fake-quantized)" if to_float else "")
+    sens = layer_sensitivity(unquantized.artifact, packaged, pick, groups, fake_quant=method if to_float else None)
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    float_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    scale_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    if to_float:
+        cost = {name: float_widening_cost(parts, float_bytes, scale_bytes) for name, parts in groups}
+        wide_format = f"float ({dtype or 'float32'}, quant.ignore)"
+    else:
+        cost = {name: widening_cost(parts, plain, scale_bytes) for name, parts in groups}
+        wide_format = f"int{cfg.quant.wide_bits} per channel, weight-only (quant.wide_layers)"
     size = sum(f.stat().st_size for f in Path(packaged).glob("*.safetensors"))
     budget = size * cfg.quant.size_budget_pct / 100
     order = sorted(sens, key=lambda n: -sens[n] / cost[n])  # most error removed per byte first
-    record.update(sensitivity={n: round(v, 6) for n, v in sens.items()}, widening_cost_bytes=cost,
-                  plain_size_bytes=size, budget_bytes=int(budget), order=order)
+    total_params = sum(lin.out_features * lin.in_features for _, parts in groups for lin in parts)
+    record.update(sensitivity={n: float(f"{v:.6g}") for n, v in sens.items()}, widening_cost_bytes=cost,
+                  plain_size_bytes=size, budget_bytes=int(budget), order=order, wide_format=wide_format)
     parts = dict(groups)
     chosen: list[str] = []
     for share in AUTO_STEPS:
@@ -460,9 +540,17 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
             if total + cost[n] <= share * budget:
                 pick_names.append(n)
                 total += cost[n]
-        if not pick_names or pick_names == chosen:
-            continue
+        if not pick_names or pick_names == chosen or len(pick_names) == len(order):
+            continue  # nothing new, or nothing left quantized
         chosen = pick_names
         layers = [lin.name for n in chosen for lin in parts[n]]
-        label = f"{len(chosen)} fused linears at {cfg.quant.wide_bits} bits (+{total / 1e6:.1f} MB, {share:g} of the budget)"
-        yield label, {"quant.wide_layers": layers}, replace(plain, quant=replace(plain.quant, wide_layers=layers))
+        if to_float:
+            params = sum(lin.out_features * lin.in_features for n in chosen for lin in parts[n])
+            label = (f"{len(chosen)} fused linears in float ({100 * params / total_params:.0f}% of the quantized "
+                     f"weights; +{total / 1e6:.1f} MB, {share:g} of the budget)")
+            ignore = [*plain.quant.ignore, *layers]
+            yield label, {"quant.ignore": ignore}, replace(plain, quant=replace(plain.quant, ignore=ignore))
+        else:
+            label = (f"{len(chosen)} fused linears at {cfg.quant.wide_bits} bits (+{total / 1e6:.1f} MB, "
+                     f"{share:g} of the budget)")
+            yield label, {"quant.wide_layers": layers}, replace(plain, quant=replace(plain.quant, wide_layers=layers))
