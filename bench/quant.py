@@ -287,6 +287,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", type=Path, default=None, help="keep the artifacts, the cache and build figures here")
     ap.add_argument("--reuse", action="store_true", help="with --keep: reuse artifacts built by an earlier run")
     ap.add_argument("--build-only", action="store_true", help="with --keep: build (or reuse), measure nothing")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                    help="an infer-build override added to every scheme built by this run (recorded in its figures), "
+                         "e.g. quant.auto_steps=[1.0]")
     ap.add_argument("--wait-builds", action="store_true",
                     help="with --reuse: a row not built yet is being built by another --build-only process; wait for "
                          "its figures instead of building it")
@@ -322,7 +325,8 @@ def main(argv=None) -> dict:
     calib = [f"calib.samples={args.calib_samples}", f"calib.seq_len={args.calib_seq_len}"]
     runs = [("float32", "float32", ["recipe=smollm2_135m"]),
             ("bfloat16", "bfloat16", ["recipe=smollm2_135m", "model.dtype=bfloat16"])]
-    runs += [(n, SCHEMES[n][0], None if SCHEMES[n][1] is None else [*SCHEMES[n][1], *calib]) for n in names]
+    runs += [(n, SCHEMES[n][0], None if SCHEMES[n][1] is None else [*SCHEMES[n][1], *calib, *args.override])
+             for n in names]
     rows = []
     try:
         for name, label, overrides in runs:
@@ -342,6 +346,8 @@ def main(argv=None) -> dict:
                 built = (build(overrides, out, cache, args.threads) if overrides is not None else
                          build_direct(keep / "float32", out, cache, args.calib_samples, args.calib_seq_len,
                                       args.threads))
+                if args.override and overrides is not None:
+                    built["overrides"] = list(args.override)
                 figures.write_text(json.dumps(built))
             if args.build_only:
                 print(f"[{name}] built: {json.dumps(built)}", file=sys.stderr, flush=True)

@@ -66,6 +66,7 @@ class QuantSpec:
     # size_budget_pct larger than the plain quantized one (pipeline/quantize.py, auto_steps)
     auto: bool = False
     size_budget_pct: float = 10.0
+    auto_steps: list[float] = field(default_factory=lambda: [0.25, 0.5, 1.0])  # shares of the budget, in turn
 
 
 @dataclass
@@ -199,6 +200,9 @@ def _check(c: BuildConfig) -> None:
             bad("quant.wide_bits", q.wide_bits, "valid choices: 8")
         if not 0.0 < q.size_budget_pct <= 100.0:
             bad("quant.size_budget_pct", q.size_budget_pct, "a percentage in (0, 100]")
+        steps = list(q.auto_steps)
+        if not steps or any(not 0.0 < x <= 1.0 for x in steps) or steps != sorted(set(steps)):
+            bad("quant.auto_steps", q.auto_steps, "increasing shares of the size budget in (0, 1], e.g. [0.25, 0.5, 1.0]")
         if not 0.0 <= q.dampening_frac < 1.0:
             bad("quant.dampening_frac", q.dampening_frac, "must be in [0, 1)")
         if c.calib.samples < 1:

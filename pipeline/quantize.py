@@ -483,14 +483,13 @@ def layer_sensitivity(float_dir: Path, quant_dir: Path | None, windows: list[lis
     return out
 
 
-AUTO_STEPS = (0.25, 0.5, 1.0)  # shares of the size budget tried in turn, after every layer at quant.bits
 
 
 def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
     """The candidates of ``quant.auto``, lazily: every layer quantized first (the recipe as it is, auto off);
     when that fails its gates, each fused linear's sensitivity (``layer_sensitivity`` on calibration windows,
     against the unquantized model) and widening cost, then the most sensitive linears per byte widened in
-    steps of AUTO_STEPS of the budget (quant.size_budget_pct of the plain artifact's size).
+    steps of quant.auto_steps (shares of the budget: quant.size_budget_pct of the plain artifact's size).
 
     The wider format: gptq/awq (4-bit) widen to quant.wide_bits (int8 per channel, ``quant.wide_layers``);
     fp8 and w8a8 (8-bit) widen to float, the checkpoint's dtype (the layer joins ``quant.ignore``)."""
@@ -534,7 +533,7 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
                   plain_size_bytes=size, budget_bytes=int(budget), order=order, wide_format=wide_format)
     parts = dict(groups)
     chosen: list[str] = []
-    for share in AUTO_STEPS:
+    for share in cfg.quant.auto_steps:
         total, pick_names = 0, []
         for n in order:
             if total + cost[n] <= share * budget:

@@ -134,3 +134,13 @@ def test_auto_refuses_what_it_cannot_do_before_any_work(tiny, tmp_path):
         with pytest.raises(BuildError, match=message):
             _build([*overrides, f"model.source={tiny}", *TINY_CALIB], tmp_path / "o", tmp_path / "c")
     assert not (tmp_path / "c" / "stages" / "quantize").exists()
+
+
+def test_auto_steps_are_shares_of_the_budget_in_increasing_order():
+    from infer.pipeline.config import RecipeError
+
+    assert _cfg(["recipe=smollm2_135m_fp8_auto"]).quant.auto_steps == [0.25, 0.5, 1.0]
+    assert _cfg(["recipe=smollm2_135m_w8a8_auto", "quant.auto_steps=[1.0]"]).quant.auto_steps == [1.0]
+    for bad in ("[]", "[0.5,0.25]", "[0,1.0]", "[1.5]"):
+        with pytest.raises(RecipeError, match="quant.auto_steps.*increasing shares"):
+            _cfg(["recipe=smollm2_135m_fp8_auto", f"quant.auto_steps={bad}"])
