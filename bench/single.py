@@ -8,6 +8,11 @@ between the two sides, and medians are reported, since this host's speed drifts.
 The memory-bandwidth floor, measured in the same run: a batch-1 decode step reads every weight
 once (the LM head included; an untied embedding only one row), so it cannot beat
 weight bytes / read bandwidth, with the bandwidth of a large ``sum`` at the benchmark's threads.
+A shared host's bandwidth drifts by tens of percent within minutes, so it is measured in every
+round, just before that round's engine runs, and each round's speed is set against its own floor.
+
+On a CPU with AMX the engine runs twice a round: with AMX (``infer``) and with it switched off
+(``infer-no-amx``, the path every host without AMX takes).
 
     python -m infer.bench.single [--artifact DIR] [--tokens 128] [--rounds 3] [--dtype bfloat16]
 """
@@ -25,10 +30,11 @@ import torch
 from .throughput import add_common_args, make_requests, prepare, save_json
 
 
-def _engine_timer(artifact: Path, dtype: str):
+def _engine_timer(artifact: Path, dtype: str, amx: bool | None = None):
     from infer.runtime import LLM, SamplingParams
 
-    llm = LLM(artifact, dtype=dtype, kv_cache_memory=256 << 20)
+    llm = LLM(artifact, dtype=dtype, kv_cache_memory=256 << 20, amx=amx)
+    _engine_timer.kernels[amx] = llm.engine.kernels.describe(getattr(torch, dtype))
 
     def run(prompt: list[int], tokens: int) -> float:
         start = time.perf_counter()
@@ -36,6 +42,9 @@ def _engine_timer(artifact: Path, dtype: str):
         assert len(out.token_ids) == tokens
         return time.perf_counter() - start
     return run
+
+
+_engine_timer.kernels = {}
 
 
 def _transformers_timer(artifact: Path, dtype: str):
@@ -105,29 +114,42 @@ def main(argv=None) -> dict:
     from infer.runtime.model import ModelConfig
 
     vocab = ModelConfig.from_dir(artifact).vocab_size
-    sides = {"infer": _engine_timer(artifact, args.dtype), "transformers": _transformers_timer(artifact, args.dtype)}
+    from infer.kernels.resolver import cpu_has_amx
+
+    engines = {"infer": None, **({"infer-no-amx": False} if cpu_has_amx() else {})}
+    sides = {name: _engine_timer(artifact, args.dtype, amx) for name, amx in engines.items()}
+    sides["transformers"] = _transformers_timer(artifact, args.dtype)
     prompts = [prompt for prompt, _ in make_requests(args.rounds + 1, vocab, 0, (args.prompt_tokens,) * 2)]
     for run in sides.values():  # warm-up: first calls pay one-off costs
         run(prompts[-1], 4)
+    nbytes = weight_bytes(artifact, args.dtype)
     rates = {name: [] for name in sides}
+    bandwidths = []
     for r in range(args.rounds):
+        bandwidths.append(read_bandwidth())  # this round's floor, just before its engines run
         for name, run in sides.items():
             first, full = run(prompts[r], 1), run(prompts[r], args.tokens)
             rates[name].append((args.tokens - 1) / (full - first))
+    floors = [bw / nbytes for bw in bandwidths]
     result = {"benchmark": "single_request_decode", "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
               "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(),
+              "kernels": {name: _engine_timer.kernels[amx] for name, amx in engines.items()},
               **{name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}}
     result["speedup"] = result["infer"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
-    nbytes, bandwidth = weight_bytes(artifact, args.dtype), read_bandwidth()
-    floor = bandwidth / nbytes
-    result["bandwidth_floor"] = {"weight_bytes": nbytes, "read_gb_s": bandwidth / 1e9, "tokens_per_s": floor,
-                                 "infer_share": result["infer"]["tokens_per_s"] / floor}
+    shares = {name: [rate / floor for rate, floor in zip(v, floors)] for name, v in rates.items()}
+    result["bandwidth_floor"] = {"weight_bytes": nbytes, "read_gb_s": statistics.median(bandwidths) / 1e9,
+                                 "read_gb_s_rounds": [bw / 1e9 for bw in bandwidths],
+                                 "tokens_per_s": statistics.median(floors), "tokens_per_s_rounds": floors,
+                                 **{f"{name}_share": statistics.median(shares[name]) for name in engines},
+                                 **{f"{name}_share_rounds": shares[name] for name in engines}}
     for name in sides:
         print(f"{name:<13}: {result[name]['tokens_per_s']:.1f} tok/s decode at batch 1 "
-              f"(rounds: {', '.join(f'{v:.1f}' for v in rates[name])}; {result[name]['tokens_per_s'] / floor:.0%} of the floor)")
+              f"(rounds: {', '.join(f'{v:.1f}' for v in rates[name])}; "
+              f"{statistics.median(shares[name]):.0%} of each round's floor)")
     print(f"speedup      : {result['speedup']:.2f}x")
-    print(f"floor        : {floor:.1f} tok/s ({nbytes / 1e6:.0f} MB of weights a step at {bandwidth / 1e9:.1f} GB/s read)")
+    print(f"floor        : {statistics.median(floors):.1f} tok/s ({nbytes / 1e6:.0f} MB of weights a step at "
+          f"{', '.join(f'{bw / 1e9:.1f}' for bw in bandwidths)} GB/s read, round by round)")
     save_json(result, args.json)
     return result
 

@@ -127,3 +127,25 @@ def test_pack_linears_swaps_the_decoder_linears_and_with_amx_or_avx512_bf16_the_
         after = model.logits(ids)
     assert (after - before).abs().max().item() < 0.05 * before.abs().max().item()
     assert (after.argmax(-1) == before.argmax(-1)).float().mean().item() > 0.9
+
+
+def test_streamed_weights_share_one_aligned_arena_and_keep_their_values():
+    from infer.kernels import hugepages
+
+    memory = hugepages.arena(5 << 20)
+    assert memory.data_ptr() % hugepages.HUGE == 0 and memory.numel() == 5 << 20
+    kernel = "amx" if AMX is not None else "avx512bf16" if BF16 is not None else None
+    if kernel is None:
+        pytest.skip("this CPU has neither AMX nor AVX-512 BF16: no weights are streamed from an arena here")
+    model = _tiny_model()
+    ids = torch.randint(0, 320, (1, 12))
+    with torch.inference_mode():
+        before = model.logits(ids)
+    pack_linears(model, AMX, bf16=BF16)
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    storages = {m.packed_weight.untyped_storage().data_ptr() for m in packed}
+    assert len(packed) == 9 and len(storages) == 1  # 8 decoder linears and the LM head, one arena
+    with torch.inference_mode():
+        after = model.logits(ids)
+    assert (after.argmax(-1) == before.argmax(-1)).float().mean().item() > 0.9
+    assert (after - before).abs().max().item() < 0.05 * before.abs().max().item()

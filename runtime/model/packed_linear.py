@@ -26,15 +26,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer.kernels import amx_linear, bf16_linear, onednn
+from infer.kernels import amx_linear, bf16_linear, hugepages, onednn
 
 KERNELS = ("amx", "avx512bf16", "onednn")  # the packed layouts; "torch" is the plain nn.Linear
 
 
 class PackedLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kernel: str = "onednn", module=None):
+    def __init__(self, linear: nn.Linear, kernel: str = "onednn", module=None, storage: torch.Tensor | None = None):
         """``kernel``: amx | avx512bf16 (``module``: that kernel's compiled module, which must fit the
-        weight's shape) | onednn."""
+        weight's shape) | onednn. ``storage``: uint8 memory of ``packed_nbytes`` for an amx or
+        avx512bf16 weight (a slice of pack_linears' huge-page arena), else its own tensor."""
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"PackedLinear: kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
@@ -43,11 +44,11 @@ class PackedLinear(nn.Module):
         self.kernel, self.module = kernel, module
         if kernel == "amx":
             assert module is not None and amx_linear.fits(weight), "amx: needs the module and a shape it tiles"
-            self.packed_weight = amx_linear.pack(weight)
+            self.packed_weight = _into(amx_linear.pack(weight), storage)
             self.bias = linear.bias
         elif kernel == "avx512bf16":
             assert module is not None and bf16_linear.fits(weight), "avx512bf16: needs the module and an even K"
-            self.packed_weight = bf16_linear.pack(weight)
+            self.packed_weight = _into(bf16_linear.pack(weight), storage)
             # added in float32 before the one rounding, as oneDNN does
             self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         else:
@@ -70,6 +71,23 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel={self.kernel}"
 
 
+def packed_nbytes(weight: torch.Tensor, kernel: str) -> int:
+    """Bytes of ``weight`` in ``kernel``'s layout (amx | avx512bf16), rounded up to a cache line."""
+    if kernel == "amx":
+        nbytes = weight.numel() * weight.element_size()
+    else:
+        n, k = weight.shape
+        nbytes = -(-n // bf16_linear.BLOCK_N) * bf16_linear.BLOCK_N * k * weight.element_size()
+    return -(-nbytes // 64) * 64
+
+
+def _into(packed: torch.Tensor, storage: torch.Tensor | None) -> torch.Tensor:
+    if storage is None:
+        return packed
+    out = storage[:packed.numel() * packed.element_size()].view(packed.dtype).view(packed.shape)
+    return out.copy_(packed)
+
+
 def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None, bf16=None) -> int:
     """Swaps the model's plain bfloat16 ``nn.Linear``s for PackedLinears; returns how many.
 
@@ -79,31 +97,42 @@ def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None
     where one fits (a copy: the embedding keeps its plain weight for lookups) and stays plain
     otherwise, since oneDNN's layout gains nothing there. ``choose(in, out, runnable)``: a tuning
     table's kernel for a shape (amx | avx512bf16 | onednn | torch) given the kernels this machine can
-    run for it, used where it is one of them."""
+    run for it, used where it is one of them. The AMX and AVX-512 BF16 weights, which a decode step
+    streams, share one arena on huge pages (kernels/hugepages.py), in the order a step reads them."""
     def can(linear: nn.Linear) -> dict:
         return {"amx": amx is not None and amx_linear.fits(linear.weight),
                 "avx512bf16": bf16 is not None and bf16_linear.fits(linear.weight), "onednn": onednn_ok,
                 "torch": True}
 
-    def packed(linear: nn.Linear, order: tuple[str, ...]) -> nn.Module:
+    def kernel_for(linear: nn.Linear, order: tuple[str, ...]) -> str:
         runs = can(linear)
         wanted = choose(linear.in_features, linear.out_features, {k for k, ok in runs.items() if ok}) if choose else None
-        kernel = wanted if wanted and runs.get(wanted) else next(k for k in order if runs[k])
-        if kernel == "torch":
-            return linear
-        return PackedLinear(linear, kernel, {"amx": amx, "avx512bf16": bf16}.get(kernel))
+        return wanted if wanted and runs.get(wanted) else next(k for k in order if runs[k])
 
-    count = 0
+    # (parent module, attribute, linear, kernel) of every linear to pack, decoders first
+    plan = []
     for layer in model.layers:
         for name, module in list(layer.named_modules()):
             if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
-                new = packed(module, ("amx", "avx512bf16", "onednn", "torch"))
-                if new is not module:
-                    parent, _, attr = name.rpartition(".")
-                    setattr(layer.get_submodule(parent) if parent else layer, attr, new)
-                    count += 1
+                parent, _, attr = name.rpartition(".")
+                plan.append((layer.get_submodule(parent) if parent else layer, attr, module,
+                             kernel_for(module, ("amx", "avx512bf16", "onednn", "torch"))))
     head = model.lm_head
     if type(head) is nn.Linear and head.weight.dtype == torch.bfloat16:
-        model.lm_head = packed(head, ("amx", "avx512bf16", "torch"))
-        count += model.lm_head is not head
+        plan.append((model, "lm_head", head, kernel_for(head, ("amx", "avx512bf16", "torch"))))
+    # the streaming kernels' weights in one huge-page arena, in the order a step reads them
+    streamed = [(lin, k) for _, _, lin, k in plan if k in ("amx", "avx512bf16")]
+    sizes = [packed_nbytes(lin.weight, k) for lin, k in streamed]
+    memory = hugepages.arena(sum(sizes)) if streamed else None
+    slots, offset = {}, 0
+    for (lin, _), size in zip(streamed, sizes):
+        slots[id(lin)] = memory[offset:offset + size]
+        offset += size
+    count = 0
+    for parent, attr, linear, kernel in plan:
+        if kernel == "torch":
+            continue
+        setattr(parent, attr, PackedLinear(linear, kernel, {"amx": amx, "avx512bf16": bf16}.get(kernel),
+                                           slots.get(id(linear))))
+        count += 1
     return count

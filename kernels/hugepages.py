@@ -1,0 +1,51 @@
+"""Memory for weights that stream every decode step, backed by 2 MiB pages where Linux allows it.
+
+A batch-1 decode step reads every weight once. On 4 KiB pages that is one TLB miss and page walk
+every 4 KiB, tens of thousands a step; on 2 MiB transparent huge pages, a few hundred. Measured on
+a Zen 4 host without AMX (2 threads), the embedded model's packed linears read 28-34 GB/s from one
+huge-page arena against 20-23 GB/s as separate tensors on small pages.
+
+``arena(nbytes)`` returns a uint8 tensor aligned to 2 MiB and marked ``MADV_HUGEPAGE`` before it is
+first touched (the kernel hands out huge pages on first fault). Where the system says never (or is
+not Linux) it is ordinary memory: the same numbers, only slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from functools import lru_cache
+
+import torch
+
+log = logging.getLogger("infer.kernels")
+HUGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+@lru_cache(maxsize=1)
+def _madvise():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.madvise
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+def arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of uninitialised memory (uint8), 2 MiB aligned, asked to be backed by huge pages."""
+    base = torch.empty(nbytes + 2 * HUGE, dtype=torch.uint8)
+    offset = (-base.data_ptr()) % HUGE
+    out = base[offset:offset + nbytes]
+    madvise = _madvise()
+    if madvise is not None and nbytes:
+        length = -(-nbytes // HUGE) * HUGE  # whole pages, inside base's 2 MiB of slack
+        if madvise(out.data_ptr(), length, MADV_HUGEPAGE) != 0:
+            log.info("madvise(MADV_HUGEPAGE) refused (errno %d): weights on small pages", ctypes.get_errno())
+    return out
