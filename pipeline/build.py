@@ -93,7 +93,7 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     if publish_artifact and gate.chooses(cfg):  # candidates chosen by the gates: each one an ordinary build
         return gate.choose_and_build(cfg, build)
     cache = Path(cfg.cache_dir).expanduser()
-    source = resolve_source(cfg.model.source, cfg.model.revision, cache, cfg.model.trust_pickled_checkpoints)
+    source = resolve_source(cfg.model.source, cfg.model.revision, cache)
     log.info("source %s (%s, sha256 %s)", source.uri, source.kind, source.sha256[:12])
     dtype = cfg.model.dtype.value
     stages, readable, load_inputs = [], source, {"v": STAGE_VERSIONS["load"], "source": source.identity(), "dtype": dtype}

@@ -41,9 +41,6 @@ class ModelSpec:
     source: str = "embedded:smollm2-135m-instruct"
     revision: str | None = None  # hub revision (branch, tag or commit)
     dtype: DType = DType.float32
-    # Megatron torch-distributed checkpoints keep metadata in pickles, and unpickling runs code:
-    # refused unless this is set (on the command line, for a checkpoint you trust)
-    trust_pickled_checkpoints: bool = False
 
 
 @dataclass

@@ -10,10 +10,10 @@ Recognised inputs (``per_rank_layout`` names them):
   ``LlamaForCausalLM`` and Qwen2 (``Qwen2ForCausalLM``, or ``QWenForCausalLM`` with
   ``qwen_type: qwen2``), written as an HF Llama/Qwen2 checkpoint;
 - ``megatron``: Megatron torch-distributed checkpoints (``.metadata`` + ``*.distcp``, or
-  ``common.pt``) keep their metadata in pickles, and unpickling runs arbitrary code: refused unless
-  ``model.trust_pickled_checkpoints=true``, and even then not supported yet (reading them needs
-  torch.distributed.checkpoint plus Megatron's own name and QKV-interleaving conventions, which this
-  project does not implement); convert such a checkpoint to HF safetensors with Megatron's tools.
+  ``common.pt``) keep their metadata in pickles, and unpickling runs arbitrary code: recognised and
+  refused, without unpickling anything (reading them would also need torch.distributed.checkpoint
+  plus Megatron's own name and QKV-interleaving conventions, which this project does not
+  implement); convert such a checkpoint to HF safetensors with Megatron's tools.
 
 TensorRT-LLM's tensor names and splits (tensorrt_llm/models/llama/convert.py):
 ``transformer.vocab_embedding.weight`` (replicated, or split along ``embedding_sharding_dim`` when
@@ -52,7 +52,6 @@ from .shard import (DTYPES, FORMAT, FORMAT_VERSION, LAYOUT_FILE, TOKENIZER_FILES
                     ShardError, checkpoint_tensors, read_header, read_tensor)
 
 PER_RANK_KINDS = ("infer-tp", "trtllm")  # the source kinds the build merges before loading
-TRUST_FLAG = "model.trust_pickled_checkpoints=true"
 MERGED = "model.safetensors"
 
 
@@ -80,29 +79,25 @@ def per_rank_layout(path: Path) -> str | None:
     return None
 
 
-def refuse_pickled(path: Path, trusted: bool) -> None:
-    """Megatron torch-distributed checkpoints: refused (pickles), or with the trust flag, unsupported."""
-    if not trusted:
-        raise MergeError(f"{path}: a Megatron torch-distributed checkpoint (.metadata/*.distcp/common.pt): its "
-                         f"metadata is pickled, and unpickling can execute arbitrary code, so it is refused; "
-                         f"{TRUST_FLAG} allows it for a checkpoint you trust (though reading these is not "
-                         f"supported yet). Convert it to HF safetensors with Megatron's checkpoint converter on a "
-                         f"machine you trust, and build from that directory.")
-    raise MergeError(f"{path}: Megatron torch-distributed checkpoints are not supported yet, even with {TRUST_FLAG} "
-                     f"(it needs torch.distributed.checkpoint and Megatron's QKV layout); convert it to HF "
-                     f"safetensors with Megatron's checkpoint converter and build from that directory.")
+def refuse_pickled(path: Path) -> None:
+    """Megatron torch-distributed checkpoints: refused, nothing unpickled (their metadata is pickles)."""
+    raise MergeError(f"{path}: a Megatron torch-distributed checkpoint (.metadata/*.distcp/common.pt): its "
+                     f"metadata is pickled, and unpickling can execute arbitrary code, so it is refused (and "
+                     f"reading one is not supported: it needs torch.distributed.checkpoint and Megatron's QKV "
+                     f"layout). Convert it to HF safetensors with Megatron's checkpoint converter on a machine "
+                     f"you trust, and build from that directory.")
 
 
 # An output tensor: its dtype, shape, and how to assemble it (called once, when it is written).
 Producer = tuple[str, tuple[int, ...], Callable[[], torch.Tensor]]
 
 
-def merge(src: Path, out: Path, trust_pickled: bool = False) -> dict:
+def merge(src: Path, out: Path) -> dict:
     """The merge stage: writes ``src`` (any layout above) as one HF checkpoint in ``out``."""
     src = Path(src)
     kind = per_rank_layout(src)
     if kind == "megatron":
-        refuse_pickled(src, trust_pickled)
+        refuse_pickled(src)
     try:
         if kind == "infer-tp":
             config_bytes, tensors = (src / "config.json").read_bytes(), _own_tensors(src)

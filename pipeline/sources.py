@@ -207,7 +207,7 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(set(weights + extra))
 
 
-def resolve_source(uri: str, revision: str | None, cache_dir: Path, trust_pickled: bool = False) -> Source:
+def resolve_source(uri: str, revision: str | None, cache_dir: Path) -> Source:
     """Finds the checkpoint a recipe names and fingerprints its bytes; fails fast and clearly."""
     memo = _HashMemo(cache_dir)
     if uri.startswith("embedded:"):
@@ -229,24 +229,24 @@ def resolve_source(uri: str, revision: str | None, cache_dir: Path, trust_pickle
             if path.suffix in PICKLE_SUFFIXES:
                 raise SourceError(_refuse_pickle(path.parent, [path.name]))
             raise SourceError(f"{path}: a file source must be a .gguf file; for HF checkpoints pass the directory")
-        return Source(uri, _per_rank_kind(path, trust_pickled) or "hf", path.resolve(),
+        return Source(uri, _per_rank_kind(path) or "hf", path.resolve(),
                       _dir_hash(path, checkpoint_files(path), memo))
     if _HUB_ID.match(uri) and not uri.startswith((".", "/", "~")):
         local = _fetch_from_hub(uri, revision)
-        return Source(uri, _per_rank_kind(local, trust_pickled) or "hub", local,
+        return Source(uri, _per_rank_kind(local) or "hub", local,
                       _dir_hash(local, checkpoint_files(local), memo), revision)
     raise SourceError(f"checkpoint not found: {uri!r} is not an existing file or directory, an embedded model "
                       f"(embedded:{', embedded:'.join(EMBEDDED)}) or a hub id (org/name)")
 
 
-def _per_rank_kind(path: Path, trust_pickled: bool) -> str | None:
+def _per_rank_kind(path: Path) -> str | None:
     """infer-tp | trtllm for per-rank checkpoints (the build merges them before load); refuses Megatron's pickles."""
     from .merge import MergeError, per_rank_layout, refuse_pickled
 
     layout = per_rank_layout(path)
     if layout == "megatron":
         try:
-            refuse_pickled(path, trust_pickled)
+            refuse_pickled(path)
         except MergeError as e:
             raise SourceError(str(e)) from None
     return layout
