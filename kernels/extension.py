@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 from pathlib import Path
 
 log = logging.getLogger("infer.kernels")
@@ -42,10 +43,14 @@ def cpu_flags() -> str:
 
 
 def build_key(source: str, cflags: list[str]) -> str:
-    """The identity of a build: source and headers, flags, torch version, CPU instruction set."""
+    """The identity of a build: source (and sources it includes) and headers, flags, torch version, CPU
+    instruction set."""
     import torch
 
-    inputs = [(CSRC / source).read_bytes(), *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))),
+    text = (CSRC / source).read_text()
+    included = sorted(set(re.findall(r'#include "([\w.]+\.cpp)"', text)))  # sources built into this one
+    inputs = [text.encode(), *((CSRC / c).read_bytes() for c in included),
+              *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))),
               " ".join(BASE_FLAGS + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
               platform.python_version().encode()]
     return hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]

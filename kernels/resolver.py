@@ -47,6 +47,7 @@ class KernelSet:
     amx_linear: object | None  # kernels.amx_linear's module, or None
     onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where neither of the others runs
     bf16_linear: object | None = None  # kernels.bf16_linear's module (AVX-512 BF16, no AMX in use), or None
+    decode_layers: object | None = None  # kernels.decode_layers' module (with bf16_linear), or None
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
         """How a plain linear of ``dtype`` runs: amx | onednn | torch."""
@@ -64,6 +65,8 @@ class KernelSet:
              "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
              "kv_store": fast if self.store_kv is not None else "torch",
              "chunk_attention": "amx" if self.chunk_attention is not None else "torch-sdpa"}
+        if self.decode_layers is not None:
+            d["decode_layers"] = "cpp"  # a decode step's layers in one call, where the model's layers fit it
         if dtype is not None:
             d["linear"] = self.linear_kernel(dtype)
         return d
@@ -117,7 +120,7 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         return KernelSet("torch", False, None, None, None, None, None, False)
     if backend == "triton":
         return _triton(dtype)
-    from . import amx_attention, amx_linear, bf16_linear, cpu_attention, layer_ops
+    from . import amx_attention, amx_linear, bf16_linear, cpu_attention, decode_layers, layer_ops
 
     use_amx = _amx_wanted(amx)
 
@@ -136,15 +139,17 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         if amx_attention.fits(dtype, head_dim, block_size):
             module = amx_attention.load()
             chunk = module.chunk_attention if module is not None else None
-    linear_bf16 = None
+    linear_bf16 = fused = None
     if dtype == torch.bfloat16 and linear_amx is None and cpu_has_avx512_bf16():
         linear_bf16 = need(bf16_linear.load(), "AVX-512 BF16 linear")
+        if linear_bf16 is not None and ops is not None and attention is not None:
+            fused = need(decode_layers.load(), "decode layers")
     from infer.kernels.onednn import can_pack  # local: the probe runs a tiny matmul
 
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,
                      attention.paged_decode_attention if attention is not None else None,
                      attention.store_kv_ if attention is not None else None, chunk, linear_amx,
-                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16)
+                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16, fused)
 
 
 class _TritonLayerOps:

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from stream_helpers import sse_events
 from test_server import start_server, wait_for
 
 pytestmark = pytest.mark.slow
@@ -45,15 +46,10 @@ async def _one(http: httpx.AsyncClient, url: str, model: str, rng: random.Random
             if r.status_code != 200:
                 await r.aread()
                 return
-            events, done = [], False
-            async for line in r.aiter_lines():
-                if line == "data: [DONE]":
-                    done = True
-                elif line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
-                    if abandon:
-                        stats["abandoned"] += 1
-                        return  # leaving the block drops the connection mid-stream
+            events, done = await sse_events(r, drop_after_first=abandon)
+            if abandon and events:
+                stats["abandoned"] += 1
+                return  # leaving the block drops the connection mid-stream
             reasons = [c["finish_reason"] for e in events for c in e["choices"] if c.get("finish_reason")]
             usage = events[-1].get("usage") if events else None
             if (done and reasons == ["length"] and usage and usage["completion_tokens"] == max_tokens

@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from stream_helpers import sse_events
 from test_server import launch_server, wait_for, wait_ready
 
 MAX_BODY = 1_000_000
@@ -491,15 +492,10 @@ async def _soak_one(http, url, rng, expected, stats):
         if r.status_code != 200:
             stats["wrong"].append((prompt, r.status_code, (await r.aread())[:200]))
             return
-        events, done = [], False
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                events.append(json.loads(line[6:]))
-                if disconnect:
-                    stats["disconnects"] += 1
-                    return  # leaving the block drops the connection mid-stream
+        events, done = await sse_events(r, drop_after_first=disconnect)
+        if disconnect and events:
+            stats["disconnects"] += 1
+            return  # leaving the block drops the connection mid-stream
         text = "".join(c["text"] for e in events for c in e.get("choices", []))
         reasons = [c["finish_reason"] for e in events for c in e.get("choices", []) if c.get("finish_reason")]
         usage = events[-1].get("usage") if events else None

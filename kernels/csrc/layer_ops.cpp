@@ -226,9 +226,11 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
+#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the fused gate/up rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (CPU)");
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = RMSNorm(residual), in place (CPU)");
   m.def("rotary_", &rotary_, "rotary embedding in place on the leading heads of each row (CPU)");
 }
+#endif

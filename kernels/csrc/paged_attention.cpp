@@ -331,7 +331,9 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
   }
 }
 
+#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
   m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)");
 }
+#endif

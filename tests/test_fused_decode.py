@@ -1,0 +1,56 @@
+"""A decode step's layers in one C++ call (runtime/model/fused_decode.py) against the model's own
+Python loop over the same kernels: the same tokens and logprobs, steps of one and of several decodes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer.kernels import decode_layers
+from infer.kernels.resolver import cpu_has_avx512_bf16
+from infer.runtime import LLM, SamplingParams
+
+FUSED = decode_layers.load()
+
+
+def test_the_fused_decode_kernel_is_built_wherever_the_cpu_has_avx512_bf16():
+    assert (FUSED is not None) == cpu_has_avx512_bf16()
+
+
+class _Counting:
+    def __init__(self, fused):
+        self.fused, self.steps = fused, 0
+
+    def __call__(self, *args):
+        out = self.fused(*args)
+        self.steps += out is not None
+        return out
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
+                                          "which every other engine test covers")
+def test_fused_decode_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact):
+    from pydoc_data.topics import topics
+
+    # no prefix cache: every run computes its prompts afresh, in one chunk each, the same way
+    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.fused_decode is not None, llm.engine.kernels.describe(torch.bfloat16)
+    text = "".join(topics.values())
+    starts = [random.randrange(len(text) - 2000) for _ in range(3)]
+    prompts = [llm.tokenizer.encode(text[s:s + 2000])[:random.randint(20, 120)] for s in starts]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+    fused = model.fused_decode
+    counting = model.fused_decode = _Counting(fused)
+    together = llm.generate(prompts, params)  # decode steps of 3 sequences at once
+    alone = llm.generate(prompts[:1], params)[0]  # and of one
+    assert counting.steps >= 2 * 15, counting.steps  # every decode step after each prompt went fused
+    model.fused_decode = None
+    plain = llm.generate(prompts, params)
+    model.fused_decode = fused
+    for got, want in zip([*together, alone], [*plain, plain[0]]):
+        assert got.token_ids == want.token_ids
+        diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(got.logprobs, want.logprobs)]
+        assert max(diffs) == 0, diffs  # the same kernels on the same inputs: the same bits
