@@ -116,7 +116,9 @@ bool available() { return false; }
 
 #ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bf16_linear", &bf16_linear, "bfloat16 linear on AVX-512 BF16 over a packed weight (CPU)");
+  // without the GIL, as torch's own ops run: a prompt chunk's matmul must not stall a server's event loop
+  m.def("bf16_linear", &bf16_linear, "bfloat16 linear on AVX-512 BF16 over a packed weight (CPU)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has the AVX-512 BF16 kernel");
 }
 #endif

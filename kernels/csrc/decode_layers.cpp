@@ -85,6 +85,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only step (CPU, bfloat16)");
+  // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
+  m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only step (CPU, bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
   m.def("available", &linear::available, "whether the AVX-512 BF16 linears are built in");
 }
