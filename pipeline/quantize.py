@@ -539,8 +539,8 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
             if total + cost[n] <= share * budget:
                 pick_names.append(n)
                 total += cost[n]
-        if not pick_names or pick_names == chosen or len(pick_names) == len(order):
-            continue  # nothing new, or nothing left quantized
+        if not pick_names or pick_names == chosen or (to_float and len(pick_names) == len(order)):
+            continue  # nothing new, or (float) nothing left quantized; every linear at int8 is still W8A16
         chosen = pick_names
         layers = [lin.name for n in chosen for lin in parts[n]]
         if to_float:
