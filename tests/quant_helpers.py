@@ -69,3 +69,21 @@ def tiny_llama(out: Path, tokenizer_src: Path, layers: int = 2) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(tokenizer_src / name, out / name)
     return out
+
+
+# a build's calibration and evaluation at the smallest sizes that still run every stage
+TINY_CALIB = ["calib.samples=4", "calib.seq_len=32"]
+TINY_EVAL = ["eval.seq_len=32", "eval.stride=32", "eval.max_windows=1", "eval.max_prompts=2", "eval.greedy_tokens=4"]
+
+
+def compose(overrides: list[str]):
+    from infer.pipeline.config import compose_recipe
+
+    return compose_recipe(overrides)
+
+
+def build_recipe(overrides: list[str], out: Path, cache: Path):
+    """infer-build with ``overrides``, into ``out``, caching stages under ``cache``."""
+    from infer.pipeline.build import build
+
+    return build(compose([*overrides, f"output_dir={out}", f"cache_dir={cache}"]))

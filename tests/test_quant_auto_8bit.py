@@ -12,27 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from quant_helpers import tiny_llama
-
-TINY_CALIB = ["calib.samples=4", "calib.seq_len=32"]
-TINY_EVAL = ["eval.seq_len=32", "eval.stride=32", "eval.max_windows=1", "eval.max_prompts=2", "eval.greedy_tokens=4"]
+from quant_helpers import TINY_CALIB, TINY_EVAL, tiny_llama
+from quant_helpers import build_recipe as _build
+from quant_helpers import compose as _cfg
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, embedded_artifact) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("tiny") / "llama", embedded_artifact)
-
-
-def _cfg(overrides):
-    from infer.pipeline.config import compose_recipe
-
-    return compose_recipe(overrides)
-
-
-def _build(overrides, out: Path, cache: Path):
-    from infer.pipeline.build import build
-
-    return build(_cfg([*overrides, f"output_dir={out}", f"cache_dir={cache}"]))
 
 
 def _fused_parts(fused: str) -> list[str]:
