@@ -54,3 +54,43 @@ def test_fused_decode_steps_give_the_python_loops_tokens_and_logprobs(embedded_a
         assert got.token_ids == want.token_ids
         diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(got.logprobs, want.logprobs)]
         assert max(diffs) == 0, diffs  # the same kernels on the same inputs: the same bits
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
+                                          "which every other engine test covers")
+def test_fused_decode_with_qkv_bias_matches_the_python_loop(tmp_path, embedded_artifact, cache_dir):
+    """Qwen2's q/k/v carry a bias: the fused step adds it where the packed linear does."""
+    import shutil
+
+    import transformers
+
+    from infer.pipeline.build import build
+    from infer.pipeline.config import compose_recipe
+
+    cfg = transformers.Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_theta=10000.0, tie_word_embeddings=True)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:  # random, large enough biases to matter
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(embedded_artifact / name, tmp_path / "src" / name)
+    artifact = build(compose_recipe([f"model.source={tmp_path / 'src'}", "model.dtype=bfloat16", "tune.enabled=false",
+                                     "eval.enabled=false", "artifact.name=tiny-qwen2", f"output_dir={tmp_path / 'out'}",
+                                     f"cache_dir={cache_dir}"])).artifact
+    llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False)
+    fused = llm.engine.model.fused_decode
+    assert fused is not None and llm.engine.model.layers[0].self_attn.qkv_proj.bias is not None
+    prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    counting = llm.engine.model.fused_decode = _Counting(fused)
+    got = llm.generate(prompts, params)
+    llm.engine.model.fused_decode = None
+    want = llm.generate(prompts, params)
+    assert counting.steps >= 11
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]
