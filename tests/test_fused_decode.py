@@ -35,7 +35,9 @@ def test_fused_decode_steps_give_the_python_loops_tokens_and_logprobs(embedded_a
     from pydoc_data.topics import topics
 
     # no prefix cache: every run computes its prompts afresh, in one chunk each, the same way
-    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", enable_prefix_caching=False)
+    # amx=False: on an AMX host the linears would be AMX tiles, which the fused step does not take
+    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", enable_prefix_caching=False,
+              amx=False)
     model = llm.engine.model
     assert model.fused_decode is not None, llm.engine.kernels.describe(torch.bfloat16)
     text = "".join(topics.values())
@@ -81,7 +83,8 @@ def test_fused_decode_with_qkv_bias_matches_the_python_loop(tmp_path, embedded_a
     artifact = build(compose_recipe([f"model.source={tmp_path / 'src'}", "model.dtype=bfloat16", "tune.enabled=false",
                                      "eval.enabled=false", "artifact.name=tiny-qwen2", f"output_dir={tmp_path / 'out'}",
                                      f"cache_dir={cache_dir}"])).artifact
-    llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False)
+    llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False,
+              amx=False)
     fused = llm.engine.model.fused_decode
     assert fused is not None and llm.engine.model.layers[0].self_attn.qkv_proj.bias is not None
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
