@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from .extension import build, cpu_flags
+from .extension import build, cpu_has_avx512_bf16
 
 BLOCK_N = 64  # output columns per weight block (csrc/bf16_linear.cpp)
 
@@ -22,7 +22,7 @@ BLOCK_N = 64  # output columns per weight block (csrc/bf16_linear.cpp)
 @lru_cache(maxsize=1)
 def load() -> object | None:
     """The compiled module (``bf16_linear``), or None where it cannot run or be built."""
-    if "avx512_bf16" not in cpu_flags().split():
+    if not cpu_has_avx512_bf16():
         return None
     module = build("infer_bf16_linear", "bf16_linear.cpp", ["-fopenmp"])
     return module if module is not None and module.available() else None
@@ -33,11 +33,16 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
 
 
+def padded_rows(n: int) -> int:
+    """Output columns of an N-column weight once packed: N rounded up to whole 64-column blocks."""
+    return -(-n // BLOCK_N) * BLOCK_N
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [ceil(N/64), K/2, 64, 2]: per block of 64 output columns, each k pair of every column
     side by side (zero columns pad N to a whole block), so a block reads as one sequential stream."""
     n, k = weight.shape
-    blocks = -(-n // BLOCK_N)
+    blocks = padded_rows(n) // BLOCK_N
     padded = torch.zeros(blocks * BLOCK_N, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
     return padded.view(blocks, BLOCK_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()

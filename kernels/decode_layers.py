@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .extension import build, cpu_flags
+from .extension import build, cpu_has_avx512_bf16
 
 
 @lru_cache(maxsize=1)
 def load() -> object | None:
-    if "avx512_bf16" not in cpu_flags().split():
+    if not cpu_has_avx512_bf16():
         return None
     # layer ops' flags: they round exactly where torch rounds (the attention part sets its own fast-math)
     module = build("infer_decode_layers", "decode_layers.cpp", ["-fopenmp", "-ffp-contract=off"])

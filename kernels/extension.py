@@ -42,6 +42,11 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_avx512_bf16() -> bool:
+    """Whether the CPU has AVX-512 BF16 (vdpbf16ps): what kernels/bf16_linear.py and decode_layers.py need."""
+    return "avx512_bf16" in cpu_flags().split()
+
+
 def build_key(source: str, cflags: list[str]) -> str:
     """The identity of a build: source (and sources it includes) and headers, flags, torch version, CPU
     instruction set."""

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from .extension import cpu_has_avx512_bf16
+
 log = logging.getLogger("infer.kernels")
 BACKENDS = ("auto", "cpp", "torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
@@ -74,12 +76,6 @@ class KernelSet:
 
 def cpu_has_amx() -> bool:
     return bool(torch.cpu._is_amx_tile_supported())
-
-
-def cpu_has_avx512_bf16() -> bool:
-    from .extension import cpu_flags
-
-    return "avx512_bf16" in cpu_flags().split()
 
 
 def _amx_wanted(amx: bool | None) -> bool:

@@ -483,8 +483,6 @@ def layer_sensitivity(float_dir: Path, quant_dir: Path | None, windows: list[lis
     return out
 
 
-
-
 def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
     """The candidates of ``quant.auto``, lazily: every layer quantized first (the recipe as it is, auto off);
     when that fails its gates, each fused linear's sensitivity (``layer_sensitivity`` on calibration windows,
@@ -496,10 +494,7 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
     from dataclasses import replace
 
     method = cfg.quant.method.value
-    to_float = method in FLOAT_WIDENED
-    problem = auto_problem(cfg)
-    if problem:
-        raise QuantError(problem)
+    to_float = method in FLOAT_WIDENED  # gate.choose_and_build has refused what auto_problem names
     plain = replace(cfg, quant=replace(cfg.quant, auto=False, **({} if to_float else {"wide_layers": []})))
     key = "quant.ignore" if to_float else "quant.wide_layers"
     yield "plain", {key: list(plain.quant.ignore) if to_float else []}, plain
@@ -517,8 +512,7 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
              len(pick[0]), f" ({method} fake-quantized)" if to_float else "")
     sens = layer_sensitivity(unquantized.artifact, packaged, pick, groups, fake_quant=method if to_float else None)
     dtype = config.get("dtype") or config.get("torch_dtype")
-    float_bytes = 2 if dtype in ("bfloat16", "float16") else 4
-    scale_bytes = 2 if dtype in ("bfloat16", "float16") else 4
+    float_bytes = scale_bytes = 2 if dtype in ("bfloat16", "float16") else 4  # both the checkpoint's dtype
     if to_float:
         cost = {name: float_widening_cost(parts, float_bytes, scale_bytes) for name, parts in groups}
         wide_format = f"float ({dtype or 'float32'}, quant.ignore)"

@@ -38,8 +38,8 @@ namespace linear {
 
 constexpr int WEIGHTS_PER_LAYER = 7;  // input norm, qkv, qkv bias (or empty), o, post norm, gate_up, down
 
-// x: the step's embeddings [B, H] bfloat16 (updated: on return, the last layer's output); residual:
-// [B, H], filled with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
+// x: the step's embeddings [B, H] bfloat16 (read only); returns the last layer's output, and fills
+// residual ([B, H], like x) with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
 // packed by kernels/bf16_linear.py. kv_cache [layers, 2, blocks, block_size, kv_heads, d]; slots [B];
 // block_tables [B, W]; context_lens [B]; positions [B]; cos, sin: float32 [positions, d].
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,

@@ -40,9 +40,9 @@ class FusedDecode:
         def fast(linear) -> bool:
             return type(linear) is PackedLinear and linear.kernel == "avx512bf16"
 
-        return model.dtype == torch.bfloat16 and all(
+        return model.dtype == torch.bfloat16 and model.rotary.ops is not None and all(
             type(layer) is Block and layer.mlp.ops is not None and layer.input_layernorm.ops is not None
-            and model.rotary.ops is not None and layer.self_attn.o_proj.bias is None
+            and layer.self_attn.o_proj.bias is None
             and all(fast(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                                       layer.mlp.down_proj))
             for layer in model.layers)

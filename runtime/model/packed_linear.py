@@ -77,7 +77,7 @@ def packed_nbytes(weight: torch.Tensor, kernel: str) -> int:
         nbytes = weight.numel() * weight.element_size()
     else:
         n, k = weight.shape
-        nbytes = -(-n // bf16_linear.BLOCK_N) * bf16_linear.BLOCK_N * k * weight.element_size()
+        nbytes = bf16_linear.padded_rows(n) * k * weight.element_size()
     return -(-nbytes // 64) * 64
 
 
