@@ -52,7 +52,7 @@ class KernelSet:
     decode_layers: object | None = None  # kernels.decode_layers' module (with bf16_linear), or None
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
-        """How a plain linear of ``dtype`` runs: amx | onednn | torch."""
+        """How a plain linear of ``dtype`` runs: amx | avx512bf16 | onednn | torch."""
         if dtype != torch.bfloat16:
             return "torch"
         if self.amx_linear is not None:
