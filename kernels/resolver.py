@@ -2,7 +2,8 @@
 
 ``resolve("auto" | "cpp" | "torch", amx=None | True | False, ...)`` returns a ``KernelSet``: the
 fused layer ops (RMSNorm, rotary, SiLU-and-multiply), the paged decode attention and KV store,
-the chunk attention after cached tokens, and how bfloat16 linears are laid out. Everything that
+the attention of prompt chunks (after cached tokens, and fresh ones), and how bfloat16 linears are
+laid out. Everything that
 runs a model reads its choices from here and nowhere else; ``describe()`` says what was chosen, for
 the load log, ``/version`` and the benchmarks.
 
@@ -45,11 +46,14 @@ class KernelSet:
     layer_ops: object | None  # kernels.layer_ops' module, or None: torch ops
     decode_attention: Callable | None  # kernels.cpu_attention.paged_decode_attention, or None: gather + SDPA
     store_kv: Callable | None  # kernels.cpu_attention.store_kv_, or None: index_copy_
-    chunk_attention: Callable | None  # kernels.amx_attention's, or None: gather + padded SDPA
+    chunk_attention: Callable | None  # chunks after cached tokens: kernels.amx_attention's or
+    # kernels.bf16_attention's, or None: gather + padded SDPA
     amx_linear: object | None  # kernels.amx_linear's module, or None
     onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where neither of the others runs
     bf16_linear: object | None = None  # kernels.bf16_linear's module (AVX-512 BF16, no AMX in use), or None
     decode_layers: object | None = None  # kernels.decode_layers' module (with bf16_linear), or None
+    prefill_attention: Callable | None = None  # chunks that start a sequence: kernels.bf16_attention's, or
+    # None: SDPA within each chunk
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
         """How a plain linear of ``dtype`` runs: amx | avx512bf16 | onednn | torch."""
@@ -66,12 +70,19 @@ class KernelSet:
              "layer_ops": fast if self.layer_ops is not None else "torch",
              "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
              "kv_store": fast if self.store_kv is not None else "torch",
-             "chunk_attention": "amx" if self.chunk_attention is not None else "torch-sdpa"}
+             "chunk_attention": _attention_name(self.chunk_attention),
+             "prefill_attention": _attention_name(self.prefill_attention)}
         if self.decode_layers is not None:
             d["decode_layers"] = "cpp"  # a decode step's layers in one call, where the model's layers fit it
         if dtype is not None:
             d["linear"] = self.linear_kernel(dtype)
         return d
+
+
+def _attention_name(kernel: Callable | None) -> str:
+    if kernel is None:
+        return "torch-sdpa"
+    return "amx" if "amx" in getattr(kernel, "__module__", "") else "avx512bf16"
 
 
 def cpu_has_amx() -> bool:
@@ -116,7 +127,7 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         return KernelSet("torch", False, None, None, None, None, None, False)
     if backend == "triton":
         return _triton(dtype)
-    from . import amx_attention, amx_linear, bf16_linear, cpu_attention, decode_layers, layer_ops
+    from . import amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention, decode_layers, layer_ops
 
     use_amx = _amx_wanted(amx)
 
@@ -135,6 +146,10 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         if amx_attention.fits(dtype, head_dim, block_size):
             module = amx_attention.load()
             chunk = module.chunk_attention if module is not None else None
+    prefill = None
+    if bf16_attention.fits(dtype, head_dim) and cpu_has_avx512_bf16():  # AMX hosts have AVX-512 BF16 too
+        module = need(bf16_attention.load(), "AVX-512 BF16 attention")
+        prefill = module.chunk_attention if module is not None else None
     linear_bf16 = fused = None
     if dtype == torch.bfloat16 and linear_amx is None and cpu_has_avx512_bf16():
         linear_bf16 = need(bf16_linear.load(), "AVX-512 BF16 linear")
@@ -144,8 +159,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
 
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,
                      attention.paged_decode_attention if attention is not None else None,
-                     attention.store_kv_ if attention is not None else None, chunk, linear_amx,
-                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16, fused)
+                     attention.store_kv_ if attention is not None else None, chunk or prefill, linear_amx,
+                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16, fused, prefill)
 
 
 class _TritonLayerOps:

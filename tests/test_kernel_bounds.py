@@ -77,7 +77,7 @@ def store_cases():
 
 
 def chunk_cases(module=None):
-    """chunk_attention (AMX): each call fails its checks before any tile instruction would run."""
+    """chunk_attention (AMX, AVX-512 BF16): each call fails its checks before any cache or row is read."""
     bf = torch.bfloat16
     q = torch.randn(20, 4, 32).to(bf)
     out = torch.empty_like(q)
@@ -115,12 +115,23 @@ def _amx_module():
     return build("infer_amx_attention", "amx_attention.cpp", AMX_FLAGS)
 
 
+def _bf16_module():
+    """The AVX-512 BF16 chunk kernel's module, or None where the CPU lacks the instructions."""
+    from infer.kernels import bf16_attention
+
+    return bf16_attention.load()
+
+
+CHUNK_MODULES = {"chunk": _amx_module, "chunk_bf16": _bf16_module}
+
+
 def _cases(group: str) -> dict:
     return {"decode": decode_cases, "store": store_cases}.get(group, chunk_cases)()
 
 
 def _child(group: str, start: int) -> None:
-    cases = decode_cases() if group == "decode" else store_cases() if group == "store" else chunk_cases(_amx_module())
+    cases = (decode_cases() if group == "decode" else store_cases() if group == "store" else
+             chunk_cases(CHUNK_MODULES[group]()))
     for name, (call, _) in list(cases.items())[start:]:
         try:
             call()
@@ -176,6 +187,13 @@ def test_amx_chunk_attention_refuses_bad_indices(outcomes, case):
     if _amx_module() is None:
         pytest.skip("the AMX chunk kernel cannot be built here (no AVX-512 or no compiler): nothing to check")
     _check(outcomes, "chunk", case, chunk_cases()[case][1])
+
+
+@pytest.mark.parametrize("case", list(chunk_cases()))
+def test_avx512_bf16_chunk_attention_refuses_bad_indices(outcomes, case):
+    if _bf16_module() is None:
+        pytest.skip("this CPU has no AVX-512 BF16: the kernel is never loaded here, nothing to check")
+    _check(outcomes, "chunk_bf16", case, chunk_cases()[case][1])
 
 
 def test_table_entries_past_the_context_are_never_read():

@@ -174,33 +174,55 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
     assert torch.equal(k_cache, want_k)  # refused before anything was written
 
 
-# ---------------------------------------------------------------- prompt chunks after cached tokens (AMX)
+# ---------------------------------------------------------------- prompt chunks (AMX, AVX-512 BF16)
 AMX_ATTENTION = __import__("infer.kernels.amx_attention", fromlist=["load"]).load()
+BF16_ATTENTION = __import__("infer.kernels.bf16_attention", fromlist=["load"]).load()
+CHUNK_KERNELS = [
+    pytest.param("amx", marks=pytest.mark.skipif(AMX_ATTENTION is None, reason="this CPU has no AMX: the AMX chunk kernel cannot run here; the avx512bf16 case and gather + padded SDPA ran")),
+    pytest.param("avx512bf16", marks=pytest.mark.skipif(BF16_ATTENTION is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here; gather + padded SDPA, what such a host runs, ran")),
+]
 
 
 def test_amx_chunk_attention_is_used_wherever_the_cpu_has_amx():
     assert (AMX_ATTENTION is not None) == torch.cpu._is_amx_tile_supported()
 
 
-@pytest.mark.skipif(AMX_ATTENTION is None, reason="this CPU has no AMX: the chunk kernel cannot run here; gather + padded SDPA, what such a host runs, is tested above")
-@pytest.mark.parametrize("lengths, cached, kv_heads", [
-    ([30], [400], 3),  # a request after a cached system prompt
-    ([1, 5, 17, 33], [15, 16, 7, 100], 3),  # odd sizes: partial blocks, rows not a multiple of 16
-    ([24] * 6, [200] * 6, 1),  # a burst, multi-query attention
-    ([40, 9], [0 + 3, 64], 9),  # no grouping
+def test_avx512_bf16_attention_is_built_wherever_the_cpu_has_the_instructions():
+    from infer.kernels.resolver import cpu_has_avx512_bf16, resolve
+
+    assert (BF16_ATTENTION is not None) == cpu_has_avx512_bf16()
+    kernels = resolve("auto", amx=False, dtype=torch.bfloat16)
+    want = "avx512bf16" if BF16_ATTENTION is not None else "torch-sdpa"
+    assert kernels.describe()["prefill_attention"] == kernels.describe()["chunk_attention"] == want
+
+
+@pytest.mark.parametrize("kernel", CHUNK_KERNELS)
+@pytest.mark.parametrize("lengths, cached, heads, kv_heads, d, block", [
+    ([30], [400], 9, 3, 64, 16),  # a request after a cached system prompt
+    ([1, 5, 17, 33], [15, 16, 7, 100], 9, 3, 64, 16),  # odd sizes: partial blocks, rows not a multiple of 16
+    ([24] * 6, [200] * 6, 9, 1, 64, 16),  # a burst, multi-query attention
+    ([40, 9], [0 + 3, 64], 9, 9, 64, 16),  # no grouping
+    ([256], [0], 9, 3, 64, 16),  # a fresh prompt: what every new request runs
+    ([97, 3, 130], [0, 0, 61], 8, 2, 128, 16),  # fresh and cached together, head_dim 128 (Qwen, Llama)
+    ([77, 20], [0, 45], 16, 4, 96, 8),  # head_dim 96 (a 64 + a 32 pass), blocks of 8
 ])
-def test_amx_chunk_attention_matches_float64(lengths, cached, kv_heads):
+def test_chunk_attention_matches_float64(kernel, lengths, cached, heads, kv_heads, d, block):
     from infer.runtime.engine.attention import PrefillChunk, _PaddedChunks
 
-    gen = torch.Generator().manual_seed(torch.initial_seed())
-    heads, d, num_blocks = 9, 64, 512
-    k = torch.randn(num_blocks, 16, kv_heads, d, generator=gen).to(torch.bfloat16)
-    v = torch.randn(num_blocks, 16, kv_heads, d, generator=gen).to(torch.bfloat16)
-    q = torch.randn(sum(lengths), heads, d, generator=gen).to(torch.bfloat16)
+    if kernel == "amx" and block != 16:
+        pytest.skip("the AMX kernel takes blocks of 16 (amx_attention.fits); the resolver never gives it others")
+    module = AMX_ATTENTION if kernel == "amx" else BF16_ATTENTION
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = 1024
+    k = torch.randn(num_blocks, block, kv_heads, d, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks, block, kv_heads, d, generator=gen).to(torch.bfloat16)
+    q = (2 * torch.randn(sum(lengths), heads, d, generator=gen)).to(torch.bfloat16)  # peaked softmaxes too
     free = torch.randperm(num_blocks, generator=gen)
     chunks, start, used = [], 0, 0
     for n, c in zip(lengths, cached):
-        blocks = -(-(c + n) // 16)
+        blocks = -(-(c + n) // block)
         chunks.append(PrefillChunk(start, n, c + n, free[used:used + blocks].clone()))
         start, used = start + n, used + blocks
     want = torch.empty(q.shape, dtype=torch.float64)
@@ -213,14 +235,14 @@ def test_amx_chunk_attention_matches_float64(lengths, cached, kv_heads):
                                                     vals.transpose(0, 1), attn_mask=visible).transpose(0, 1)
     width = max(len(c.blocks) for c in chunks)
     tables = torch.stack([F.pad(c.blocks, (0, width - len(c.blocks))) for c in chunks])
-    got = torch.zeros(q.shape, dtype=torch.bfloat16)
-    AMX_ATTENTION.chunk_attention(q, k, v, got, torch.tensor([c.start for c in chunks]), torch.tensor(lengths),
-                                  torch.tensor(cached), tables, d ** -0.5)
+    got = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)
+    module.chunk_attention(q, k, v, got, torch.tensor([c.start for c in chunks]), torch.tensor(lengths),
+                           torch.tensor(cached), tables, d ** -0.5)
     sdpa = torch.zeros(q.shape, dtype=torch.bfloat16)
-    _PaddedChunks(chunks, 16, torch.bfloat16).attend(q, k, v, sdpa)
+    _PaddedChunks(chunks, block, torch.bfloat16).attend(q, k, v, sdpa)
     # bfloat16 probabilities and output: as close to the float64 result as torch's SDPA path is
     err, sdpa_err = (got.double() - want).abs().max().item(), (sdpa.double() - want).abs().max().item()
     assert err <= 1.5 * sdpa_err + 2e-3, (err, sdpa_err)
-    with pytest.raises(RuntimeError, match="does not fit its rows or block table"):
-        AMX_ATTENTION.chunk_attention(q, k, v, got, torch.tensor([0]), torch.tensor([lengths[0]]),
-                                      torch.tensor([16 * width]), tables[:1], d ** -0.5)
+    with pytest.raises(RuntimeError, match=r"does not fit the \d+ query rows or its block table"):
+        module.chunk_attention(q, k, v, got, torch.tensor([0]), torch.tensor([lengths[0]]),
+                               torch.tensor([block * width]), tables[:1], d ** -0.5)

@@ -3,9 +3,10 @@
 The step's new K/V are written into their slots first; then each query attends to its
 sequence's whole context gathered through its block table. Decodes (one query each) are done
 together in one call; so are prompt chunks that follow cached tokens (a burst of requests
-reusing one cached system prompt): through the AMX kernel, reading the cache in place, or padded
-to a common shape for one SDPA call with a causal mask offset by the tokens already cached; a
-chunk that starts a sequence attends within itself. A backend is
+reusing one cached system prompt): through the AMX or AVX-512 BF16 chunk kernel, reading the cache
+in place, or padded to a common shape for one SDPA call with a causal mask offset by the tokens
+already cached. A chunk that starts a sequence goes through the prefill kernel (AVX-512 BF16, over
+the cache its K/V were just written to) where there is one, else attends within itself by SDPA. A backend is
 anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call. What it
 builds (masks, indices, outputs) goes on the device of the tensors it is given.
 """
@@ -29,7 +30,8 @@ class PrefillChunk:
 class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
-                 decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None):
+                 decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None,
+                 prefill_kernel=None):
         self.decode_kernel = decode_kernel  # kernels.cpu_attention's, or None: gather + SDPA
         self.store_kv = store_kv  # kernels.cpu_attention's, or None: two index_copy_
         self.decodes_only = not prefills  # the rows are the decodes, in order: no gather, no scatter
@@ -42,12 +44,16 @@ class PagedAttention:
         if len(decode_rows) and decode_kernel is None:
             span = torch.arange(decode_blocks.shape[1] * block_size, device=decode_lens.device)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
-        self.fresh = [c for c in prefills if c.context == c.length]
+        fresh = [c for c in prefills if c.context == c.length]
         after_cache = [c for c in prefills if c.context > c.length]
-        if chunk_kernel is not None:
-            self.after_cache = _ChunksInPlace(after_cache, chunk_kernel)
-        else:
-            self.after_cache = _PaddedChunks(after_cache, block_size, kv_cache.dtype)
+        self.fresh = fresh if prefill_kernel is None else []  # SDPA within the chunk, one call each
+        in_place: dict = {}  # kernel -> the chunks it reads in place; one call for each kernel
+        if prefill_kernel is not None and fresh:
+            in_place.setdefault(prefill_kernel, []).extend(fresh)
+        if chunk_kernel is not None and after_cache:
+            in_place.setdefault(chunk_kernel, []).extend(after_cache)
+        self.in_place = [_ChunksInPlace(chunks, kernel) for kernel, chunks in in_place.items()]
+        self.padded = _PaddedChunks(after_cache if chunk_kernel is None else [], block_size, kv_cache.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
@@ -64,8 +70,10 @@ class PagedAttention:
         for c in self.fresh:  # nothing cached before: attend within the chunk
             rows = slice(c.start, c.start + c.length)
             out[rows] = _causal_chunk(q[rows], k[rows], v[rows], group)
-        if self.after_cache.count:
-            self.after_cache.attend(q, k_cache, v_cache, out)
+        for chunks in self.in_place:
+            chunks.attend(q, k_cache, v_cache, out)
+        if self.padded.count:
+            self.padded.attend(q, k_cache, v_cache, out)
         if len(self.decode_rows):
             nd = len(self.decode_rows)
             if self.decode_kernel is not None:
@@ -99,13 +107,12 @@ def _chunk_indices(chunks: list[PrefillChunk]):
 
 
 class _ChunksInPlace:
-    """Prompt chunks that follow cached tokens, through kernels.amx_attention: each chunk reads its
-    context in place through its block table, with no gather and no padding."""
+    """Prompt chunks through a chunk kernel (kernels.amx_attention's or kernels.bf16_attention's): each
+    chunk reads its context in place through its block table, with no gather and no padding."""
 
     def __init__(self, chunks: list[PrefillChunk], kernel):
-        self.count, self.kernel = len(chunks), kernel
-        if chunks:
-            self.tables, self.starts, self.lengths, self.cached = _chunk_indices(chunks)
+        self.kernel = kernel
+        self.tables, self.starts, self.lengths, self.cached = _chunk_indices(chunks)
 
     def attend(self, q, k_cache, v_cache, out) -> None:
         self.kernel(q, k_cache, v_cache, out, self.starts, self.lengths, self.cached, self.tables, q.shape[2] ** -0.5)

@@ -98,7 +98,7 @@ class ModelRunner:
         if device is not None and torch.device(device) not in (model.device, torch.device(model.device.type)):
             raise ValueError(f"the model is on {model.device}, the runner was asked for {torch.device(device)}")
         self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
-        self.chunk_kernel = kernels.chunk_attention
+        self.chunk_kernel, self.prefill_kernel = kernels.chunk_attention, kernels.prefill_attention
         if tuning is not None and self.device.type != "cpu":
             log.info("tuning: the table's choices (C++ kernel or SDPA, threads) are for the CPU; not used on %s",
                      self.device)
@@ -167,7 +167,7 @@ class ModelRunner:
                                                                      inputs.chunk_contexts.tolist()))]
         return PagedAttention(self.kv_cache, bs, inputs.slots, prefills, inputs.decode_rows, inputs.decode_blocks,
                               inputs.decode_lens, self.decode_kernel if inputs.decode_kernel else None,
-                              self.store_kv, self.chunk_kernel)
+                              self.store_kv, self.chunk_kernel, self.prefill_kernel)
 
     def _threads(self, rows: int) -> None:
         """The table's thread count for a step of this many rows (the process default without one).
