@@ -26,6 +26,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024,
                    help="most tokens one step computes; longer prompts are prefilled in chunks (default 1024)")
+    p.add_argument("--prefill-batch-tokens", type=int, default=128,
+                   help="waiting prompts stop joining a step once its prompt tokens reach this: a burst of long "
+                        "prompts is prefilled one after another, the first answered first; short ones still "
+                        "share a step (default 128; 0: only --max-num-batched-tokens limits them)")
     p.add_argument("--tuning", default="auto", metavar="auto|off|PATH",
                    help="kernel choices per batch bucket: auto uses the artifact's tuning.json where it was "
                         "measured on this hardware; off the defaults; or a tuning.json to follow (default auto)")
@@ -84,6 +88,7 @@ def engine_config(args: argparse.Namespace):
     return EngineConfig(dtype=args.dtype, kv_cache_memory=parse_bytes(args.kv_cache_memory),
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels,
                         max_num_batched_tokens=args.max_num_batched_tokens,
+                        prefill_batch_tokens=args.prefill_batch_tokens,
                         tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from infer.runtime.engine.block_manager import BlockManager
 from infer.runtime.engine.sampling_params import SamplingParams
 from infer.runtime.engine.scheduler import Scheduler
@@ -111,3 +113,32 @@ def test_waiters_go_ahead_when_the_prefix_computation_is_aborted():
     assert sched.bm.in_flight == {}
     batch = run_step(sched)
     assert batch.seqs == [second]  # no longer anything to wait for: computes it itself
+
+
+def test_a_burst_of_long_prompts_is_prefilled_one_after_another_while_short_ones_share_steps():
+    """prefill_batch_tokens: a step stops taking new prompts once its prompt tokens reach it, so in a
+    burst the first request's prompt is computed alone (its first token after one prompt's compute);
+    short prompts still fill a step up to it. 0 keeps the budget as the only limit."""
+    def first_token_steps(limit, lengths, decoders=0):
+        sched = Scheduler(BlockManager(400, 16), max_num_seqs=64, max_num_batched_tokens=1024,
+                          prefill_batch_tokens=limit)
+        for i in range(decoders):  # requests already decoding: one token each per step, not prompt tokens
+            sched.add(make(8, 1000, 100 + i))
+        if decoders:
+            run_step(sched)
+        burst = [make(n, 4, i) for i, n in enumerate(lengths)]
+        for s in burst:
+            sched.add(s)
+        first, step = {}, 0
+        while len(first) < len(burst):
+            batch = run_step(sched)
+            assert batch.total_tokens <= 1024
+            step += 1
+            first.update({s.seq_id: step for s in burst if s.num_output_tokens and s.seq_id not in first})
+        return [first[s.seq_id] for s in burst]
+
+    assert first_token_steps(128, [256, 256, 256], decoders=2) == [1, 2, 3]  # one after another, in order
+    assert first_token_steps(0, [256, 256, 256], decoders=2) == [1, 1, 1]  # the budget alone: all at the end
+    assert first_token_steps(128, [40] * 6) == [1, 1, 1, 1, 2, 2]  # 120 < 128: a fourth joins, then it is full
+    with pytest.raises(ValueError, match="prefill_batch_tokens must be >= 0"):
+        Scheduler(BlockManager(8, 16), max_num_seqs=1, max_num_batched_tokens=8, prefill_batch_tokens=-1)

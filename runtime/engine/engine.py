@@ -47,6 +47,8 @@ class EngineConfig:
     kv_cache_fraction: float = 0.2
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
+    # waiting prompts stop joining a step once its prompt tokens reach this (0: the budget alone)
+    prefill_batch_tokens: int = 128
     max_model_len: int | None = None  # None: the model's
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -211,7 +213,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill)
+                                   cfg.enable_chunked_prefill, cfg.prefill_batch_tokens)
         if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
             on["graph_buckets"] = graph_buckets_for(self.device, self.kernels.backend, cfg.cuda_graphs, cfg.max_num_seqs)
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,

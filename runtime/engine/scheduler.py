@@ -2,7 +2,11 @@
 
 Every step, running sequences go first, oldest first (a decode costs one token of the budget;
 an unfinished prompt takes what is left), then waiting ones join in arrival order while the
-token budget, the sequence cap and free blocks allow; one whose prompt starts with blocks
+token budget, the sequence cap and free blocks allow, and while the step's prompt tokens are
+under ``prefill_batch_tokens``: a burst of long prompts is prefilled one after another, so the
+first user gets a first token after one prompt's compute rather than all of them (the last one
+waits as long either way), while short prompts still share a step (a step streams the weights
+once, whatever its rows). One whose prompt starts with blocks
 another prompt is computing right now waits for them to land in the prefix cache rather than
 compute them twice (a burst of requests sharing a system prompt prefills it once). A long prompt
 is cut into chunks that
@@ -32,12 +36,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True):
+                 enable_chunked_prefill: bool = True, prefill_batch_tokens: int = 0):
+        """``prefill_batch_tokens``: waiting prompts stop joining a step once its prompt tokens reach
+        this many (the first always joins); 0: only the token budget limits them."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if prefill_batch_tokens < 0:
+            raise ValueError("prefill_batch_tokens must be >= 0 (0: no limit beyond the token budget)")
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_batch_tokens = prefill_batch_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -76,6 +85,7 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted: list[Sequence] = []
+        prompt_tokens = 0  # tokens of the step that are not one decode each
 
         # running sequences first, oldest first
         i = 0
@@ -94,11 +104,14 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            prompt_tokens += n if n > 1 else 0
             i += 1
 
         # then waiting sequences, in arrival order (preempted ones were put back at the front)
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            if self.prefill_batch_tokens and prompt_tokens >= self.prefill_batch_tokens:
+                break
             seq = self.waiting[0]
             if not seq.block_table and self.bm.match_prefix(seq) is None:
                 deferred.append(self.waiting.popleft())  # its prefix lands in the cache within steps
@@ -125,5 +138,6 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
+            prompt_tokens += n
         self.waiting.extendleft(reversed(deferred))  # keep their place in line
         return ScheduledBatch(seqs, counts, preempted)
