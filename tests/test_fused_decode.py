@@ -97,3 +97,48 @@ def test_fused_decode_with_qkv_bias_matches_the_python_loop(tmp_path, embedded_a
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
+                                          "which every other engine test covers")
+@pytest.mark.parametrize("recipe", ["smollm2_135m_gptq", "smollm2_135m_gptq_g32_asym"])
+def test_fused_decode_of_a_w4a16_model_matches_the_python_loop(tmp_path, embedded_artifact, cache_dir, recipe):
+    """W4A16 (int4 groups of 64, symmetric; of 32 with zero points) of a Qwen2 with q/k/v biases, built by
+    the shipped recipes: the fused step runs the int4 kernel where the layer loop runs Int4Avx512Linear,
+    and gives the same bits."""
+    import shutil
+
+    import transformers
+
+    from infer.runtime.model.quant_linear import quantized_modules
+    from quant_helpers import TINY_CALIB, build_recipe
+
+    cfg = transformers.Qwen2Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   rope_theta=10000.0, tie_word_embeddings=True)
+    torch.manual_seed(torch.initial_seed())
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "src")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(embedded_artifact / name, tmp_path / "src" / name)
+    artifact = build_recipe([f"recipe={recipe}", f"model.source={tmp_path / 'src'}", "quant.ignore=[lm_head]",
+                             "tune.enabled=false", "eval.enabled=false", *TINY_CALIB], tmp_path / "out", cache_dir).artifact
+    llm = LLM(artifact, kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False, amx=False)
+    model = llm.engine.model
+    assert set(quantized_modules(model).values()) == {"cpu-int4-avx512"} and model.dtype == torch.bfloat16
+    fused = model.fused_decode
+    assert fused is not None
+    prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    counting = model.fused_decode = _Counting(fused)
+    got = llm.generate(prompts, params)
+    model.fused_decode = None
+    want = llm.generate(prompts, params)
+    assert counting.steps >= 11
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]

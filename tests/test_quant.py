@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from conftest import run_cli
+from infer.runtime.model.quant_linear import int4_cpu_backend
 from quant_helpers import compare_logits
 
 TINY_CALIB = ["calib.samples=8", "calib.seq_len=64"]
 FORMATS = {"gptq": "pack-quantized", "awq": "pack-quantized", "w8a8": "int-quantized", "fp8": "float-quantized"}
-BACKENDS = {"gptq": "cpu-int4", "awq": "cpu-int4", "w8a8": "cpu-w8a8", "fp8": "cpu-fp8"}
+BACKENDS = {"gptq": int4_cpu_backend(), "awq": int4_cpu_backend(), "w8a8": "cpu-w8a8", "fp8": "cpu-fp8"}
 
 
 @pytest.fixture(scope="session")

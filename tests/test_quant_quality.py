@@ -85,7 +85,7 @@ def test_wide_layers_are_a_second_group_the_runtime_runs_as_int8(tiny, tmp_path)
     import transformers
 
     from infer.runtime.model import load_model
-    from infer.runtime.model.quant_linear import quantized_modules
+    from infer.runtime.model.quant_linear import int4_cpu_backend, quantized_modules
 
     art = _build(["recipe=smollm2_135m_gptq", f"model.source={tiny}", "quant.group_size=32", "quant.ignore=[lm_head]",
                   "quant.wide_layers=[down_proj,model.layers.0.self_attn.o_proj]", *TINY_CALIB],
@@ -101,7 +101,7 @@ def test_wide_layers_are_a_second_group_the_runtime_runs_as_int8(tiny, tmp_path)
     model = load_model(art)
     backends = quantized_modules(model)
     assert backends["layers.0.mlp.down_proj"] == backends["layers.0.self_attn.o_proj"] == "cpu-int8-weight"
-    assert backends["layers.1.self_attn.o_proj"] == backends["layers.0.mlp.gate_up_proj"] == "cpu-int4"
+    assert backends["layers.1.self_attn.o_proj"] == backends["layers.0.mlp.gate_up_proj"] == int4_cpu_backend()
     ref = transformers.AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32).eval()
     ids = torch.randint(3, 49152, (1, 40))
     with torch.no_grad():
@@ -173,7 +173,7 @@ def test_g32_asymmetric_recipe_runs_on_the_int4_kernel_end_to_end(tiny, tmp_path
 
     from infer.pipeline.config import compose_recipe
     from infer.runtime.model import load_model
-    from infer.runtime.model.quant_linear import quantized_modules
+    from infer.runtime.model.quant_linear import int4_cpu_backend, quantized_modules
 
     q = compose_recipe(["recipe=smollm2_135m_gptq_g32_asym"]).quant
     assert (q.group_size, q.symmetric, q.bits) == (32, False, 4)
@@ -182,7 +182,7 @@ def test_g32_asymmetric_recipe_runs_on_the_int4_kernel_end_to_end(tiny, tmp_path
     group = next(iter(json.loads((art / "config.json").read_text())["quantization_config"]["config_groups"].values()))
     assert group["weights"]["group_size"] == 32 and group["weights"]["symmetric"] is False
     model = load_model(art)
-    assert set(quantized_modules(model).values()) == {"cpu-int4"} and model.dtype == torch.bfloat16
+    assert set(quantized_modules(model).values()) == {int4_cpu_backend()} and model.dtype == torch.bfloat16
     f32 = load_model(art, torch.float32)
     ref = transformers.AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32).eval()
     ids = torch.randint(3, 49152, (1, 40))

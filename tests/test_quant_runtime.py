@@ -15,7 +15,8 @@ Tolerances, and why:
   transformers, so logits agree to float32 rounding (max |diff| <= 1e-4 x the logit scale). The
   fused RMSNorm sums its squares in another order (tests/test_layer_ops.py); through the
   dynamic-activation schemes that is one more source of rounding flips, covered below.
-- weight-only int4 (``cpu-int4``): the kernel runs in bfloat16 (8 mantissa bits on activations and
+- weight-only int4 (``cpu-int4-avx512`` on AVX-512 BF16 CPUs, ``cpu-int4`` elsewhere, and forced on
+  those CPUs too): the kernel runs in bfloat16 (8 mantissa bits on activations and
   scales, float32 accumulation), and by default so does the rest of the model (W4A16). Its error
   budget is what bfloat16 computation of the same quantized model costs: the reference arithmetic
   (dequantized weights, plain torch ops) run in bfloat16 sets the floor, measured 0.0018-0.0023
@@ -46,6 +47,7 @@ import pytest
 import torch
 
 from conftest import AMX_MODES
+from infer.runtime.model.quant_linear import INT4_CPU_BACKENDS, int4_cpu_backend
 from quant_helpers import compare_logits, rtn_checkpoint
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -54,8 +56,9 @@ GREEDY_TOKENS = 8
 # float-quantized (fp8); asymmetric int4, activation order and int8 weight-only are covered layer by layer
 # fp8_recipe: the shipped smollm2_135m_fp8 recipe built by the pipeline, with its default quant.ignore (layer
 # 29's MLP stays float): a mix of quantized and float linears in one compressed-tensors checkpoint
-KERNEL = {"w4a16": "cpu-int4", "w8a8": "cpu-w8a8", "fp8": "cpu-fp8", "fp8_recipe": "cpu-fp8"}
-KERNELS = ("cpu-int4", "cpu-int8-weight", "cpu-w8a8", "cpu-fp8")
+KERNEL = {"w4a16": int4_cpu_backend(), "w8a8": "cpu-w8a8", "fp8": "cpu-fp8", "fp8_recipe": "cpu-fp8"}
+KERNELS = (*INT4_CPU_BACKENDS, "cpu-int8-weight", "cpu-w8a8", "cpu-fp8")
+AVX512_INT4 = int4_cpu_backend() == "cpu-int4-avx512"
 
 
 def _fused_groups(ignore: list[str]) -> set[str]:
@@ -115,8 +118,11 @@ def _float64_dequant(self, x):
     return (x.double() @ w.dequantize(torch.float64).t()).to(x.dtype)
 
 
-# W4A16 runs in bfloat16, whose linears the AMX switch changes: both paths; the others run in float32
+# W4A16 runs in bfloat16, whose linears the AMX switch changes: both paths, and torch's int4 pack where the
+# AVX-512 kernel would be chosen; the others run in float32
 CASES = [pytest.param("w4a16", m.values[0], id=f"w4a16-{m.id}", marks=m.marks) for m in AMX_MODES] + \
+    [pytest.param("w4a16_torch_int4", False, id="w4a16-torch-int4-pack", marks=pytest.mark.skipif(
+        not AVX512_INT4, reason="this CPU has no AVX-512 BF16: w4a16-no-amx ran torch's int4 pack already"))] + \
     [pytest.param(s, None, id=s) for s in KERNEL if s != "w4a16"]
 
 
@@ -129,6 +135,10 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
     from infer.runtime.model import load_model
     from infer.runtime.model.quant_linear import DequantLinear, disabled_backends, quantized_modules
 
+    want_backend = KERNEL.get(scheme, "cpu-int4")
+    if scheme == "w4a16_torch_int4":
+        monkeypatch.setenv("INFER_LINEAR_BACKENDS_DISABLE", "cpu-int4-avx512")
+        scheme = "w4a16"
     path: Path = ckpts(scheme)
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(embedded_artifact)
@@ -141,7 +151,7 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
     assert ours.dtype == (torch.bfloat16 if scheme == "w4a16" else torch.float32)
     backends = quantized_modules(ours)
     ignore = json.loads((path / "config.json").read_text())["quantization_config"]["ignore"]
-    assert set(backends) == _fused_groups(ignore) and set(backends.values()) == {KERNEL[scheme]}
+    assert set(backends) == _fused_groups(ignore) and set(backends.values()) == {want_backend}
     if scheme == "fp8_recipe":  # the recipe's ignored layers: plain float linears next to the fp8 ones
         assert sorted(ignore) == sorted(compose_recipe(["recipe=smollm2_135m_fp8"]).quant.ignore)
         assert len(backends) == 30 * 4 - 2 and type(ours.get_submodule("layers.29.mlp.down_proj")) is torch.nn.Linear
@@ -197,6 +207,11 @@ def _layer(kind: str, n: int = 96, k: int = 256):
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=g) * 0.05
+    if kind == "int4_sym_g64_odd":  # symmetric, 40 output columns
+        w = w[:40]
+        scale = w.view(40, k // 64, 64).abs().amax(-1) / 7
+        q = torch.round(w.view(40, k // 64, 64) / scale[..., None]).clamp(-8, 7).to(torch.int8).view(40, k)
+        return QuantWeight(Args(4, "int", "group", True, 64), None, q, scale)
     if kind in ("int4_asym_g32", "int4_actorder"):
         gs = 32 if kind == "int4_asym_g32" else 64
         g_idx = None
@@ -230,18 +245,30 @@ def _layer(kind: str, n: int = 96, k: int = 256):
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind, backend", [("int4_asym_g32", "cpu-int4"), ("int4_actorder", "cpu-int4"),
-                                           ("int8_weight", "cpu-int8-weight"), ("fp8_static", "cpu-fp8")])
-def test_kernel_layers_match_dequantized_reference(kind, backend):
+NO_AVX512_INT4 = pytest.mark.skipif(not AVX512_INT4, reason="this CPU has no AVX-512 BF16: that int4 kernel cannot "
+                                    "run here; the cpu-int4 cases ran")
+
+
+@pytest.mark.parametrize("kind, backend, rows", [
+    ("int4_asym_g32", "cpu-int4", 5), ("int4_actorder", "cpu-int4", 5),
+    pytest.param("int4_asym_g32", "cpu-int4-avx512", 5, marks=NO_AVX512_INT4),
+    pytest.param("int4_actorder", "cpu-int4-avx512", 5, marks=NO_AVX512_INT4),
+    pytest.param("int4_asym_g32", "cpu-int4-avx512", 100, marks=NO_AVX512_INT4),  # prompt-chunk rows
+    pytest.param("int4_sym_g64_odd", "cpu-int4-avx512", 7, marks=NO_AVX512_INT4),  # 40 columns: a partial block
+    ("int8_weight", "cpu-int8-weight", 5), ("fp8_static", "cpu-fp8", 5)])
+def test_kernel_layers_match_dequantized_reference(kind, backend, rows):
     from infer.runtime.model.quant_linear import make_linear
 
     w = _layer(kind)
-    x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(1))
-    fast = make_linear(w, None, torch.float32)
-    slow = make_linear(w, None, torch.float32, disable=(backend,))
+    seed = torch.initial_seed()
+    print("seed", seed)
+    x = torch.randn(rows, w.in_features, generator=torch.Generator().manual_seed(seed))
+    ahead = tuple(b for b in INT4_CPU_BACKENDS[:INT4_CPU_BACKENDS.index(backend)]) if backend in INT4_CPU_BACKENDS else ()
+    fast = make_linear(w, None, torch.float32, disable=ahead)  # the backends ahead of this one are off
+    slow = make_linear(w, None, torch.float32, disable=(*INT4_CPU_BACKENDS, backend))
     assert fast.backend == backend and slow.backend == "dequant"
     want, got = slow(x), fast(x)
-    tol = 2e-2 if backend in ("cpu-int4", "cpu-fp8") else 1e-4  # bfloat16 compute vs float32
+    tol = 2e-2 if backend in (*INT4_CPU_BACKENDS, "cpu-fp8") else 1e-4  # bfloat16 compute vs float32
     assert (got - want).abs().max() <= tol * want.abs().max(), (got - want).abs().max()
 
 

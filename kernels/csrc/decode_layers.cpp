@@ -1,5 +1,5 @@
 // Every decoder layer of a decode step, in one call: the same kernels the model calls one by one
-// (layer_ops, paged attention, the AVX-512 BF16 linears), driven from C++.
+// (layer_ops, paged attention, the AVX-512 BF16 linears, bfloat16 or int4), driven from C++.
 //
 // At batch 1 a step streams 270 MB of weights in about 9 ms; called from Python, the ~13 kernel
 // calls a layer (each a module call, a pybind crossing and a few tensor views) added about 3 ms more
@@ -35,12 +35,25 @@ namespace attention {
 namespace linear {
 #include "bf16_linear.cpp"
 }
+namespace int4 {
+#include "int4_linear.cpp"
+}
 
-constexpr int WEIGHTS_PER_LAYER = 7;  // input norm, qkv, qkv bias (or empty), o, post norm, gate_up, down
+// input norm, qkv bias (or empty), post norm, then qkv, o, gate_up, down as LINEAR_SLOTS tensors each
+constexpr int WEIGHTS_PER_LAYER = 3 + 4 * 3;
+constexpr int LINEAR_SLOTS = 3;  // bfloat16: packed, empty, empty; int4: packed, scales, offsets (or empty)
+
+// A linear as the model runs it: the AVX-512 BF16 kernel for a bfloat16 weight, the int4 one for int32 words.
+torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
+  if (w[0].scalar_type() == at::kBFloat16) return linear::bf16_linear(x, w[0], n, bias);
+  c10::optional<torch::Tensor> offsets;
+  if (w[2].numel() > 0) offsets = w[2];
+  return int4::int4_linear(x, w[0], w[1], offsets, n, bias);
+}
 
 // x: the step's embeddings [B, H] bfloat16 (read only); returns the last layer's output, and fills
 // residual ([B, H], like x) with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
-// packed by kernels/bf16_linear.py. kv_cache [layers, 2, blocks, block_size, kv_heads, d]; slots [B];
+// packed by kernels/bf16_linear.py or kernels/int4_linear.py. kv_cache [layers, 2, blocks, block_size, kv_heads, d]; slots [B];
 // block_tables [B, W]; context_lens [B]; positions [B]; cos, sin: float32 [positions, d].
 torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,
                             torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor block_tables,
@@ -67,8 +80,9 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector
       layer_ops::add_rms_norm_(h, residual, w[0], eps);  // residual += h; h = norm(residual)
     }
     c10::optional<torch::Tensor> bias;
-    if (w[2].defined() && w[2].numel() > 0) bias = w[2];
-    torch::Tensor qkv = linear::bf16_linear(h, w[1], qkv_size, bias);
+    if (w[1].defined() && w[1].numel() > 0) bias = w[1];
+    const torch::Tensor* lin = w + 3;  // qkv, o, gate_up, down
+    torch::Tensor qkv = run_linear(h, lin, qkv_size, bias);
     layer_ops::rotary_(qkv, positions, cos, sin, heads + kv_heads, head_dim);
     torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads, head_dim});
     torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
@@ -76,10 +90,10 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector
     torch::Tensor k_cache = kv_cache.select(0, l).select(0, 0), v_cache = kv_cache.select(0, l).select(0, 1);
     attention::store_kv_(k_cache, v_cache, slots, k, v);
     torch::Tensor attn = attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
-    torch::Tensor o = linear::bf16_linear(attn.view({rows, q_size}), w[3], hidden, c10::nullopt);
-    layer_ops::add_rms_norm_(o, residual, w[4], eps);
-    torch::Tensor act = layer_ops::silu_mul(linear::bf16_linear(o, w[5], 2 * intermediate, c10::nullopt));
-    h = linear::bf16_linear(act, w[6], hidden, c10::nullopt);
+    torch::Tensor o = run_linear(attn.view({rows, q_size}), lin + LINEAR_SLOTS, hidden, c10::nullopt);
+    layer_ops::add_rms_norm_(o, residual, w[2], eps);
+    torch::Tensor act = layer_ops::silu_mul(run_linear(o, lin + 2 * LINEAR_SLOTS, 2 * intermediate, c10::nullopt));
+    h = run_linear(act, lin + 3 * LINEAR_SLOTS, hidden, c10::nullopt);
   }
   return h;
 }

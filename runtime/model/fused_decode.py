@@ -1,5 +1,5 @@
 """A decode-only step's decoder layers in one C++ call (kernels/decode_layers.py), for a bfloat16
-model whose every linear runs on the AVX-512 BF16 kernel.
+model whose every decoder linear runs on the AVX-512 BF16 kernel or on the int4 one (W4A16).
 
 ``Transformer.forward`` offers each step to it first; it takes the step when every row is a decode
 through the C++ paged-attention kernel and KV store (what the engine runs on such a host), and
@@ -22,22 +22,33 @@ class FusedDecode:
         self.dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
         self.rotary = model.rotary
         none = torch.empty(0)
+
+        def slots(linear) -> list[torch.Tensor]:  # decode_layers.cpp's LINEAR_SLOTS
+            if getattr(linear, "backend", None) == "cpu-int4-avx512":
+                return [linear.packed, linear.scales, none if linear.offsets is None else linear.offsets]
+            return [linear.packed_weight, none, none]
+
         self.weights = []  # kernels/csrc/decode_layers.cpp's WEIGHTS_PER_LAYER, layer by layer
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            self.weights += [layer.input_layernorm.weight, attn.qkv_proj.packed_weight,
-                             none if attn.qkv_proj.bias is None else attn.qkv_proj.bias,
-                             attn.o_proj.packed_weight, layer.post_attention_layernorm.weight,
-                             mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight]
+            bias = attn.qkv_proj.bias
+            self.weights += [layer.input_layernorm.weight, none if bias is None else bias.float(),
+                             layer.post_attention_layernorm.weight]
+            for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                self.weights += slots(linear)
 
     @staticmethod
     def fits(model) -> bool:
-        """Whether every decoder layer is this file's Llama block with AVX-512 BF16 linears and the fused
-        layer ops (a tensor-parallel or quantized model is not)."""
+        """Whether every decoder layer is this file's Llama block with the fused layer ops and linears on
+        the AVX-512 BF16 kernel (bfloat16) or the int4 one in the column order of the checkpoint (a
+        tensor-parallel model, another quantization scheme or activation order is not)."""
         from .llama import Block
         from .packed_linear import PackedLinear
+        from .quant_linear import Int4Avx512Linear
 
         def fast(linear) -> bool:
+            if type(linear) is Int4Avx512Linear:
+                return linear.perm is None
             return type(linear) is PackedLinear and linear.kernel == "avx512bf16"
 
         return model.dtype == torch.bfloat16 and model.rotary.ops is not None and all(

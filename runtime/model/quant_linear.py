@@ -6,6 +6,10 @@ anything with ``name``, ``supports(w, device)`` and ``build(w, bias, dtype)``; `
 puts a new one (a Triton GPU kernel, say) first.
 
 CPU backends here, fastest first:
+- ``cpu-int4-avx512``: kernels/csrc/int4_linear.cpp on CPUs with AVX-512 BF16: int4 grouped weights
+  (symmetric or asymmetric, any group size dividing K into multiples of 8, activation order as
+  below) packed once at load, nibbles turned into ``vdpbf16ps`` operands in registers, float32 sums,
+  bfloat16 output;
 - ``cpu-int4``: ``aten._weight_int4pack_mm_for_cpu`` (run in bfloat16) on weights packed once at load by
   ``_convert_weight_to_int4pack_for_cpu`` (int4, groups of 32..256; symmetric or asymmetric;
   activation order handled by permuting the weight's columns at load and the input at run time);
@@ -131,6 +135,47 @@ class Int4PackLinear(QuantLinear):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.compute_dtype).contiguous(), self.packed,
                                                        self.group_size, self.scales_zeros)
         return y.to(x.dtype)
+
+
+class Int4Avx512Linear(QuantLinear):
+    """int4 grouped weights packed once for kernels/csrc/int4_linear.cpp (AVX-512 BF16): a decode step
+    reads 4 bits a weight plus one float32 scale (and offset, if asymmetric) a group. Computes in
+    bfloat16 like ``Int4PackLinear``; the sums are float32 and the output is rounded once."""
+    backend = "cpu-int4-avx512"
+
+    def __init__(self, w: QuantWeight, bias, dtype):
+        from infer.kernels import int4_linear
+
+        super().__init__(w, bias, dtype)
+        self.module = int4_linear.load()
+        q, perm = w.q, None
+        if w.g_idx is not None:  # activation order: sort columns by group so groups are contiguous
+            perm = torch.argsort(w.g_idx.long(), stable=True)
+            q = q[:, perm]
+        self.register_buffer("perm", perm, persistent=False)
+        packed, scales, offsets = int4_linear.pack(q, w.scale, w.zero)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("offsets", offsets, persistent=False)
+        # the bias goes into the kernel, added in float32 before the one rounding (the fused decode step too)
+        self.register_buffer("bias_f32", None if self.bias is None else self.bias.detach().float().contiguous(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.perm is not None:
+            x2 = x2.index_select(-1, self.perm)
+        y = self.module.int4_linear(x2.to(INT4_COMPUTE_DTYPE).contiguous(), self.packed, self.scales, self.offsets,
+                                    self.out_features, self.bias_f32)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+def _int4_avx512(w: QuantWeight, device: torch.device) -> bool:
+    from infer.kernels import int4_linear
+
+    return (_cpu(device) and w.inputs is None and w.weights.type == "int" and w.weights.num_bits == 4 and
+            int4_linear.fits(w.out_features, w.in_features, w.scale.shape[1]) and int4_linear.load() is not None)
 
 
 class Int8WeightLinear(QuantLinear):
@@ -282,6 +327,7 @@ _INT8 = _has("_weight_int8pack_mm")
 
 BACKENDS: list = [
     _Backend("triton-w4a16", TritonW4A16Linear, _triton_w4a16),
+    _Backend("cpu-int4-avx512", Int4Avx512Linear, _int4_avx512),
     _Backend("cpu-int4", Int4PackLinear, lambda w, d: _cpu(d) and _INT4 and w.inputs is None and
              w.weights.type == "int" and w.weights.num_bits == 4 and w.scale.shape[1] > 1 and
              w.group_size in (32, 64, 128, 256) and w.in_features % w.group_size == 0 and
@@ -296,6 +342,17 @@ BACKENDS: list = [
              w.inputs.strategy in ("token", "tensor")),
     _Backend("dequant", DequantLinear, lambda w, d: True),
 ]
+
+
+INT4_CPU_BACKENDS = ("cpu-int4-avx512", "cpu-int4")
+
+
+def int4_cpu_backend() -> str:
+    """The backend an int4 grouped layer gets on this CPU: ``cpu-int4-avx512`` where that kernel loads
+    (AVX-512 BF16), else ``cpu-int4`` (torch's int4 pack); tests and benchmarks ask here."""
+    from infer.kernels import int4_linear
+
+    return "cpu-int4-avx512" if int4_linear.load() is not None else "cpu-int4"
 
 
 def register_backend(backend: LinearBackend, first: bool = True) -> None:

@@ -1,0 +1,195 @@
+// int4 weight-only linears (W4A16, grouped scales, symmetric or asymmetric) on AVX-512 BF16.
+//
+// A decode step reads every weight once, so a 4-bit weight is a quarter of a bfloat16 one's
+// bytes; what matters is turning nibbles into products without spending more than the memory
+// saves. The weight is packed once, at load, per block of 32 output columns: [N/32][K/8][32]
+// 32-bit words, word (kw, c) holding the 8 nibbles u = q + 8 of column c at k = 8 kw .. 8 kw + 7,
+// placed so that (word >> 4j) & 0x000F000F is the pair (u[2j], u[2j + 1]) in two 16-bit halves.
+// OR-ing 0x4300 into each half makes the bfloat16 numbers 128 + u exactly, so one shift and one
+// ternary-logic op give a pair vdpbf16ps multiplies against a broadcast pair of x. Per group the
+// float32 sum is S = sum (128 + u) x; the weight is (u - 8 - z) s, so y += s (S - (136 + z) sum x),
+// with sum x over the group computed once per row. Products of a bfloat16 x and 128 + u are exact
+// in float32; the sums lose about 4 bits of float32's 24 to the offset, far below the bfloat16
+// output's rounding. Rows go in tiles of 6/4/2/1, each weight load serving every row of the tile.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "simd_math.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t BLOCK_N = 32;       // output columns per weight block (2 x 16 lanes)
+constexpr int64_t ROW_CHUNK = 48;     // rows per work item of a prompt chunk
+constexpr int64_t DYNAMIC_ROWS = 16;  // from this many rows on, threads take work items as they go
+
+struct Args {
+  const uint16_t* x;  // [M, K] bfloat16
+  const float* xsum;  // [M, G]: sum of x over each group
+  const uint32_t* w;  // [N/32][K/8][32]
+  const float* scale;  // [N/32][G][32]
+  const float* offset;  // [N/32][G][32]: 136 + z, or nullptr (symmetric: 136)
+  const float* bias;  // [N] or nullptr
+  uint16_t* y;        // [M, N] bfloat16
+  int64_t m, n, k, groups, group_words;
+};
+
+inline __m256i to_bf16(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
+}
+
+// y[r0 .. r0 + ROWS, block columns] for one 32-column block.
+template <int ROWS>
+inline void tile(const Args& a, int64_t blk, int64_t r0) {
+  const int64_t words = a.k / 8;
+  const uint32_t* wb = a.w + blk * words * BLOCK_N;
+  const float* sb = a.scale + blk * a.groups * BLOCK_N;
+  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N : nullptr;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
+  __m512 y[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
+      const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
+      for (int j = 0; j < 4; ++j) {
+        // (v >> 4j) & 0x000F000F | 0x43004300: truth table 0xEA is (A & B) | C
+        const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(v0, 4 * j), nibbles, exponent, 0xEA);
+        const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA);
+        for (int r = 0; r < ROWS; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, a.x + (r0 + r) * a.k + 8 * kw + 2 * j, sizeof(pair));
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+        }
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(sb + g * BLOCK_N), s1 = _mm512_loadu_ps(sb + g * BLOCK_N + 16);
+    const __m512 o0 = ob != nullptr ? _mm512_loadu_ps(ob + g * BLOCK_N) : _mm512_set1_ps(136.f);
+    const __m512 o1 = ob != nullptr ? _mm512_loadu_ps(ob + g * BLOCK_N + 16) : _mm512_set1_ps(136.f);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]);
+      y[r][0] = _mm512_fmadd_ps(s0, _mm512_fnmadd_ps(o0, xs, acc[r][0]), y[r][0]);
+      y[r][1] = _mm512_fmadd_ps(s1, _mm512_fnmadd_ps(o1, xs, acc[r][1]), y[r][1]);
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = blk * BLOCK_N + 16 * h;
+    if (col >= a.n) break;
+    const __mmask16 live = col + 16 <= a.n ? 0xFFFF : static_cast<__mmask16>((1u << (a.n - col)) - 1);
+    const __m512 b = a.bias != nullptr ? _mm512_maskz_loadu_ps(live, a.bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r)
+      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.n + col, live, to_bf16(_mm512_add_ps(y[r][h], b)));
+  }
+}
+
+void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
+  for (; r + 6 <= r1; r += 6) tile<6>(a, blk, r);
+  for (; r + 4 <= r1; r += 4) tile<4>(a, blk, r);
+  for (; r + 2 <= r1; r += 2) tile<2>(a, blk, r);
+  for (; r < r1; ++r) tile<1>(a, blk, r);
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16, contiguous; packed: [ceil(N/32), K/8, 32] int32, scales (and offsets, or None):
+// [ceil(N/32), G, 32] float32 (kernels/int4_linear.py); bias: float32 [N] or None. Returns [M, N] bfloat16.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                          int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_linear: x must be a contiguous [M, K] bfloat16 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == BLOCK_N,
+              "int4_linear: the weight must be packed by kernels/int4_linear.py");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 8 == k, "int4_linear: x has ", k, " features, the packed weight ", packed.size(1) * 8);
+  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "int4_linear: ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == blocks && scales.size(2) == BLOCK_N && scales.size(1) > 0 &&
+                  k % (8 * scales.size(1)) == 0,
+              "int4_linear: scales must be float32 [blocks, groups, 32] with K a multiple of 8 x groups");
+  const int64_t groups = scales.size(1);
+  const float* off = nullptr;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "int4_linear: offsets must be float32 of the scales' shape");
+    off = offsets->data_ptr<float>();
+  }
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int4_linear: bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n}, x.options());
+  // sum of x over each group, in float32, from the bfloat16 values the products use
+  std::vector<float> xsum(m * groups);
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t group_size = k / groups;
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 s = _mm512_setzero_ps();
+      int64_t i = g * group_size;
+      for (; i + 16 <= (g + 1) * group_size; i += 16)
+        s = _mm512_add_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + r * k + i))), 16)));
+      float t = _mm512_reduce_add_ps(s);
+      for (; i < (g + 1) * group_size; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(xp[r * k + i]) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof(f));
+        t += f;
+      }
+      xsum[r * groups + g] = t;
+    }
+  const Args a{xp, xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
+               reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups, group_size / 8};
+  if (m < DYNAMIC_ROWS) {  // a decode step: one contiguous run of blocks per thread, for the prefetcher
+    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t blk = first; blk < last; ++blk) rows(a, blk, 0, m);
+    });
+    return y;
+  }
+  // a prompt chunk: (block, rows) items from a shared counter (see kernels/csrc/bf16_linear.cpp)
+  const int64_t chunk_rows = std::min(m, ROW_CHUNK), chunks = (m + chunk_rows - 1) / chunk_rows;
+  const int64_t items = blocks * chunks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
+    for (int64_t item = next++; item < items; item = next++) {
+      const int64_t blk = item / chunks, r0 = item % chunks * chunk_rows;
+      rows(a, blk, r0, std::min(m, r0 + chunk_rows));
+    }
+  });
+  return y;
+}
+
+bool available() { return true; }
+
+#else
+
+torch::Tensor int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t,
+                          c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "int4_linear: built for a CPU without AVX-512 BF16");
+}
+
+bool available() { return false; }
+
+#endif
+
+#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernel alone
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "int4 grouped-weight linear on AVX-512 BF16 over a packed weight (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("available", &available, "whether this build has the AVX-512 BF16 kernel");
+}
+#endif

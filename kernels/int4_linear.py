@@ -1,0 +1,62 @@
+"""int4 weight-only linears (W4A16) on AVX-512 BF16 (kernels/csrc/int4_linear.cpp).
+
+A batch-1 decode step of a W4A16 model reads a quarter of the bytes of its bfloat16 linears; this
+kernel turns the nibbles into ``vdpbf16ps`` operands with one shift and one logic op, so the step
+can go at the speed of those bytes. ``load()`` gives the module only where it can run (the CPU has
+``avx512_bf16`` and the source builds); elsewhere runtime/model/quant_linear.py keeps torch's
+``_weight_int4pack_mm_for_cpu``. ``pack`` lays a weight out once, at load.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .extension import build, cpu_has_avx512_bf16
+
+BLOCK_N = 32  # output columns per weight block (csrc/int4_linear.cpp)
+OFFSET = 136  # the kernel's 128 + u encoding, plus the 8 that makes q = u - 8
+
+
+@lru_cache(maxsize=1)
+def load() -> object | None:
+    """The compiled module (``int4_linear``), or None where it cannot run or be built."""
+    if not cpu_has_avx512_bf16():
+        return None
+    module = build("infer_int4_linear", "int4_linear.cpp", ["-fopenmp"])
+    return module if module is not None and module.available() else None
+
+
+def fits(n: int, k: int, groups: int) -> bool:
+    """Whether an [N, K] int4 weight with ``groups`` scales per row has what the kernel takes."""
+    return n > 0 and groups > 0 and k % (8 * groups) == 0
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
+    """q [N, K] int8 in [-8, 7], scale [N, G], zero [N, G] or None (w = (q - zero) * scale) ->
+    (packed [N/32, K/8, 32] int32, scales [N/32, G, 32] float32, offsets of the same shape or None).
+
+    Columns pad to whole blocks with q = 0 and scale 0. Word (kw, c) holds u = q + 8 for
+    k = 8 kw + 2j at bits 4j and for k = 8 kw + 2j + 1 at bits 16 + 4j (j = 0..3)."""
+    n, k = q.shape
+    groups = scale.shape[1]
+    if not fits(n, k, groups):
+        raise ValueError(f"int4_linear: a [{n}, {k}] weight with {groups} groups a row does not fit the kernel "
+                         f"(K must be a multiple of 8 x groups)")
+    blocks = -(-n // BLOCK_N)
+    u = torch.full((blocks * BLOCK_N, k), 8, dtype=torch.int64)
+    u[:n] = q.to(torch.int64) + 8
+    u = u.view(blocks * BLOCK_N, k // 8, 4, 2)  # [col, kw, j, even/odd]
+    shifts = 4 * torch.arange(4).view(1, 1, 4, 1) + torch.tensor([0, 16]).view(1, 1, 1, 2)
+    words = (u << shifts).sum(dim=(2, 3))  # [col, kw], disjoint bits: the sum is the OR
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    packed = words.view(blocks, BLOCK_N, k // 8).transpose(1, 2).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:
+        padded = torch.zeros(blocks * BLOCK_N, groups, dtype=torch.float32)
+        padded[:n] = t.float()
+        return padded.view(blocks, BLOCK_N, groups).transpose(1, 2).contiguous()
+
+    offsets = None if zero is None else per_block(zero.float() + OFFSET)
+    return packed, per_block(scale), offsets

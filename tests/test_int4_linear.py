@@ -1,0 +1,84 @@
+"""The AVX-512 BF16 int4 linear (kernels/csrc/int4_linear.cpp) against a float64 dequantization of the
+same weight: symmetric and asymmetric, group sizes 32-128 and per channel, partial column blocks, a
+bias, decode rows and prompt-chunk rows; and its refusals of inputs it was not packed for."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import int4_linear
+from infer.kernels.resolver import cpu_has_avx512_bf16
+
+MODULE = int4_linear.load()
+needs_kernel = pytest.mark.skipif(MODULE is None, reason="this CPU has no AVX-512 BF16: the kernel is never loaded "
+                                                         "here; int4 layers run torch's int4 pack (test_quant_runtime)")
+
+
+def test_the_int4_kernel_is_built_wherever_the_cpu_has_avx512_bf16():
+    assert (MODULE is not None) == cpu_has_avx512_bf16()
+
+
+def _weight(n, k, group, asym, gen):
+    groups = k // group
+    q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+    scale = torch.rand(n, groups, generator=gen) * 0.02 + 1e-3
+    zero = torch.randint(-8, 8, (n, groups), dtype=torch.int8, generator=gen) if asym else None
+    cols = torch.arange(k) // group
+    w = (q.double() - (zero.double()[:, cols] if asym else 0)) * scale.double()[:, cols]
+    return q, scale, zero, w
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, group, asym, bias", [
+    (1, 576, 576, 64, False, False),  # a decode row, the embedded model's shapes
+    (1, 3072, 576, 64, True, False),
+    (3, 100, 192, 32, True, True),  # a partial 32-column block, a bias
+    (15, 576, 1536, 128, False, True),  # the last row count that splits blocks in advance
+    (16, 960, 576, 64, True, False),  # the first that takes work items from the counter
+    (100, 40, 256, 256, False, False),  # per channel (one group), prompt-chunk rows
+])
+def test_int4_linear_matches_float64(m, n, k, group, asym, bias):
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    q, scale, zero, w = _weight(n, k, group, asym, gen)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen) if bias else None
+    want = x.double() @ w.t() + (b.double() if bias else 0)
+    packed, scales, offsets = int4_linear.pack(q, scale, zero)
+    got = MODULE.int4_linear(x, packed, scales, offsets, n, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # float32 sums of exact products, one rounding to bfloat16: mostly the exact result's own rounding.
+    # The float32 sums carry the 128 + u offset (about 136 x the sum of |x| a group, taken out at the
+    # end), so their error is bounded by 2^-24 x K x 136 x sum |x| |s|, under 2^-10 of |x| . |w| here:
+    # that, plus one bfloat16 step where the sum lands across a rounding boundary.
+    err = (got.double() - want).abs()
+    rounding = (want.to(torch.bfloat16).double() - want).abs()
+    magnitude = x.double().abs() @ w.abs().t()
+    assert (err <= rounding + 1e-6).float().mean() >= 0.99, (err - rounding).max()
+    assert (err <= want.abs() * 2.0 ** -7 + magnitude * 2.0 ** -10).all(), (err / magnitude).max()
+
+
+@needs_kernel
+def test_int4_linear_refuses_what_it_was_not_packed_for():
+    gen = torch.Generator().manual_seed(0)
+    q, scale, zero, _ = _weight(64, 128, 32, True, gen)
+    packed, scales, offsets = int4_linear.pack(q, scale, zero)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    cases = {
+        r"x has 64 features, the packed weight 128": lambda: MODULE.int4_linear(x[:, :64].contiguous(), packed, scales,
+                                                                                 offsets, 64, None),
+        r"100 output features do not match": lambda: MODULE.int4_linear(x, packed, scales, offsets, 100, None),
+        r"x must be a contiguous \[M, K\] bfloat16": lambda: MODULE.int4_linear(x.float(), packed, scales, offsets, 64,
+                                                                                 None),
+        r"offsets must be float32 of the scales' shape": lambda: MODULE.int4_linear(x, packed, scales, offsets[:, :2],
+                                                                                     64, None),
+        r"bias must be a contiguous float32 \[N\]": lambda: MODULE.int4_linear(x, packed, scales, offsets, 64,
+                                                                               torch.zeros(63)),
+    }
+    for pattern, call in cases.items():
+        with pytest.raises(RuntimeError, match=pattern):
+            call()
+    with pytest.raises(ValueError, match="K must be a multiple of 8 x groups"):
+        int4_linear.pack(torch.zeros(8, 100, dtype=torch.int8), torch.ones(8, 3), None)
