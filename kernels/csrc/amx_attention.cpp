@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include "amx_tiles.h"
+#include "chunk_checks.h"
 #include "float_storage.h"
 #include "simd_math.h"
 
@@ -192,38 +193,11 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
 void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                      torch::Tensor starts, torch::Tensor lengths, torch::Tensor cached, torch::Tensor tables,
                      double scale) {
-  for (const auto& x : {q, k_cache, v_cache, out, starts, lengths, cached, tables})
-    TORCH_CHECK(x.device().is_cpu(), "chunk_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16 &&
-                  v_cache.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
-              "chunk_attention: bfloat16 only");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "chunk_attention: q must be [T, heads, d]");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "chunk_attention: out must be contiguous, q's shape");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == kBlock && k_cache.size(3) == q.size(2),
-              "chunk_attention: caches must be contiguous [blocks, 16, kv_heads, d]");
-  const int64_t d = q.size(2), heads = q.size(1), kv_heads = k_cache.size(2);
-  TORCH_CHECK(kv_heads > 0 && d > 0 && d % kTileK == 0 && heads % kv_heads == 0,
-              "chunk_attention: d must be a multiple of 32 and heads a multiple of kv_heads");
-  for (const auto& x : {starts, lengths, cached, tables})
-    TORCH_CHECK(x.scalar_type() == at::kLong && x.is_contiguous(), "chunk_attention: int64 contiguous indices");
-  const int64_t chunks = starts.numel();
-  TORCH_CHECK(starts.dim() == 1 && lengths.dim() == 1 && cached.dim() == 1 && lengths.numel() == chunks &&
-                  cached.numel() == chunks && tables.dim() == 2 && tables.size(0) == chunks,
-              "chunk_attention: starts, lengths and cached must be [chunks] and tables [chunks, width] for ", chunks,
-              " chunks; got ", lengths.sizes(), ", ", cached.sizes(), " and ", tables.sizes());
+  infer::check_chunk_attention(q, k_cache, v_cache, out, starts, lengths, cached, tables, kBlock);
+  const int64_t d = q.size(2), heads = q.size(1), kv_heads = k_cache.size(2), chunks = starts.numel();
   const int64_t width = tables.size(1);
   const int64_t *st = starts.data_ptr<int64_t>(), *ln = lengths.data_ptr<int64_t>(), *ca = cached.data_ptr<int64_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
-  for (int64_t c = 0; c < chunks; ++c) {  // every index checked before any is used
-    TORCH_CHECK(ln[c] > 0 && st[c] >= 0 && st[c] + ln[c] <= q.size(0) && ca[c] >= 0 &&
-                    (ca[c] + ln[c] + kBlock - 1) / kBlock <= width,
-                "chunk_attention: chunk ", c, " (start ", st[c], ", length ", ln[c], ", cached ", ca[c],
-                ") does not fit the ", q.size(0), " query rows or its block table of ", width, " blocks");
-    for (int64_t b = 0; b < (ca[c] + ln[c] + kBlock - 1) / kBlock; ++b)
-      TORCH_CHECK(tb[c * width + b] >= 0 && tb[c * width + b] < k_cache.size(0), "chunk_attention: block id ",
-                  tb[c * width + b], " at tables[", c, "][", b, "] is outside the cache's ", k_cache.size(0), " blocks");
-  }
   const Task task{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
                   v_cache.data_ptr<at::BFloat16>(), kv_heads, d, out.data_ptr<at::BFloat16>(), out.stride(0),
                   out.stride(1), static_cast<float>(scale)};

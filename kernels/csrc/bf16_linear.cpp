@@ -16,9 +16,8 @@
 #include <torch/extension.h>
 
 #include "simd_math.h"
+#include "work_split.h"
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #if defined(__AVX512BF16__)
@@ -28,8 +27,6 @@ namespace {
 
 constexpr int64_t BLOCK_N = 64;  // output columns per weight block (4 x 16 lanes)
 constexpr int LANES = 4;         // 16-lane accumulators per row of a tile
-constexpr int64_t ROW_CHUNK = 48;     // rows per work item of a prompt chunk (8 tiles of 6)
-constexpr int64_t DYNAMIC_ROWS = 16;  // from this many rows on, threads take work items as they go
 
 inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
@@ -92,31 +89,13 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t ldx = x.stride(0), block_elems = pairs * BLOCK_N * 2;
-  const auto rows = [&](const uint16_t* w, int64_t n0, int64_t r, int64_t r1) {
+  infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r, int64_t r1) {
+    const uint16_t* w = wp + blk * block_elems;
+    const int64_t n0 = blk * BLOCK_N;
     for (; r + 6 <= r1; r += 6) tile<6>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
     for (; r + 4 <= r1; r += 4) tile<4>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
     for (; r + 2 <= r1; r += 2) tile<2>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
     for (; r < r1; ++r) tile<1>(xp + r * ldx, ldx, pairs, w, b, yp + r * n, n, n0, n);
-  };
-  if (m < DYNAMIC_ROWS) {
-    // a decode step: each thread streams one contiguous run of blocks, which the prefetcher follows
-    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t blk = first; blk < last; ++blk) rows(wp + blk * block_elems, blk * BLOCK_N, 0, m);
-    });
-    return y;
-  }
-  // A prompt chunk: work items (column block, chunk of rows), block-major so a thread's next item
-  // mostly reuses the block it just read, taken from a shared counter rather than split in
-  // advance: a core the OS lends to another thread for a moment (a server's event loop, a client on
-  // the same host) then delays only the items it holds, not the whole call waiting for its half.
-  const int64_t chunk_rows = std::min(m, ROW_CHUNK), chunks = (m + chunk_rows - 1) / chunk_rows;
-  const int64_t items = blocks * chunks;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
-    for (int64_t item = next++; item < items; item = next++) {
-      const int64_t blk = item / chunks, r0 = item % chunks * chunk_rows;
-      rows(wp + blk * block_elems, blk * BLOCK_N, r0, std::min(m, r0 + chunk_rows));
-    }
   });
   return y;
 }

@@ -21,6 +21,7 @@
 
 #include "float_storage.h"
 #include "simd_math.h"
+#include "work_split.h"
 
 #define INFER_NO_MODULE
 namespace layer_ops {

@@ -15,9 +15,8 @@
 #include <torch/extension.h>
 
 #include "simd_math.h"
+#include "work_split.h"
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -28,8 +27,6 @@
 namespace {
 
 constexpr int64_t BLOCK_N = 32;       // output columns per weight block (2 x 16 lanes)
-constexpr int64_t ROW_CHUNK = 48;     // rows per work item of a prompt chunk
-constexpr int64_t DYNAMIC_ROWS = 16;  // from this many rows on, threads take work items as they go
 
 struct Args {
   const uint16_t* x;  // [M, K] bfloat16
@@ -154,22 +151,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     }
   const Args a{xp, xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
                reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups, group_size / 8};
-  if (m < DYNAMIC_ROWS) {  // a decode step: one contiguous run of blocks per thread, for the prefetcher
-    at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t blk = first; blk < last; ++blk) rows(a, blk, 0, m);
-    });
-    return y;
-  }
-  // a prompt chunk: (block, rows) items from a shared counter (see kernels/csrc/bf16_linear.cpp)
-  const int64_t chunk_rows = std::min(m, ROW_CHUNK), chunks = (m + chunk_rows - 1) / chunk_rows;
-  const int64_t items = blocks * chunks;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), items), 1, [&](int64_t, int64_t) {
-    for (int64_t item = next++; item < items; item = next++) {
-      const int64_t blk = item / chunks, r0 = item % chunks * chunk_rows;
-      rows(a, blk, r0, std::min(m, r0 + chunk_rows));
-    }
-  });
+  infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
   return y;
 }
 
