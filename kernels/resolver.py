@@ -70,19 +70,15 @@ class KernelSet:
              "layer_ops": fast if self.layer_ops is not None else "torch",
              "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
              "kv_store": fast if self.store_kv is not None else "torch",
-             "chunk_attention": _attention_name(self.chunk_attention),
-             "prefill_attention": _attention_name(self.prefill_attention)}
+             # the chunk kernel is the prefill one (AVX-512 BF16) unless AMX tiles took it
+             "chunk_attention": "torch-sdpa" if self.chunk_attention is None else
+             "avx512bf16" if self.chunk_attention is self.prefill_attention else "amx",
+             "prefill_attention": "torch-sdpa" if self.prefill_attention is None else "avx512bf16"}
         if self.decode_layers is not None:
             d["decode_layers"] = "cpp"  # a decode step's layers in one call, where the model's layers fit it
         if dtype is not None:
             d["linear"] = self.linear_kernel(dtype)
         return d
-
-
-def _attention_name(kernel: Callable | None) -> str:
-    if kernel is None:
-        return "torch-sdpa"
-    return "amx" if "amx" in getattr(kernel, "__module__", "") else "avx512bf16"
 
 
 def cpu_has_amx() -> bool:

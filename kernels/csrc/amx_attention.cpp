@@ -97,30 +97,9 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
   // unnormalised (exp(s - max) in [0, 1]); 1 / sum kept in float32 for the end
   Buffer<at::BFloat16> pt(rows_pad * keys32);
   std::vector<float> inv_sum(rows_pad, 0.f);
-  const __m512 vscale = _mm512_set1_ps(t.scale);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = cached + r % n + 1;
-    const float* sr = s.data() + r * keys16;
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < visible; j += 16) {
-      const __mmask16 lanes = visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1);
-      vmax = _mm512_mask_max_ps(vmax, lanes, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sr + j), vscale));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    at::BFloat16* pr = pt.data() + r * keys32;
-    for (int64_t j = 0; j < keys32; j += 16) {
-      const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, visible - j));
-      const __mmask16 lanes = left == 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(
-          lanes, infer::exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sr + j), vscale), m)));
-      const __m512i rounded = infer::bf16_round_bits(e);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-      // the sum of what P V multiplies: the rounded values
-      vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
-    }
-    inv_sum[r] = 1.f / _mm512_reduce_add_ps(vsum);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    inv_sum[r] = infer::softmax_row_bf16(s.data() + r * keys16, cached + r % n + 1, keys32, t.scale,
+                                         reinterpret_cast<uint16_t*>(pt.data() + r * keys32));
   for (int64_t r = rows; r < rows_pad; ++r) std::memset(pt.data() + r * keys32, 0, keys32 * sizeof(at::BFloat16));
   // V as B tiles, per 32 tokens and 16 dimensions: row p holds, for each dimension, tokens 2p and
   // 2p + 1. Tokens past the context are zero (their cache slots may hold anything).

@@ -151,31 +151,8 @@ void task(const Args& a, int64_t start, int64_t cached, const int64_t* table, in
   for (; r < rows; ++r) score_rows(std::integral_constant<int, 1>{}, r);
   // P = exp(scale * S - max) over the visible keys, zero past them, rounded to bfloat16
   w.p.resize(rows * ldp), w.inv_sum.resize(rows);
-  const __m512 vscale = _mm512_set1_ps(a.scale);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t vis = visible(r);
-    const float* sr = w.s.data() + r * keys;
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int64_t j = 0; j < vis; j += 16) {
-      const __mmask16 lanes = vis - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (vis - j)) - 1);
-      vmax = _mm512_mask_max_ps(vmax, lanes, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sr + j), vscale));
-    }
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    __m512 vsum = _mm512_setzero_ps();
-    uint16_t* pr = w.p.data() + r * ldp;
-    for (int64_t j = 0; j < ldp; j += 16) {
-      const int64_t live = std::max<int64_t>(0, std::min<int64_t>(16, vis - j));
-      const __mmask16 lanes = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(
-          lanes, infer::exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, sr + j), vscale), m)));
-      const __m512i rounded = infer::bf16_round_bits(e);
-      const __mmask16 store = ldp - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (ldp - j)) - 1);
-      _mm256_mask_storeu_epi16(pr + j, store, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
-      vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(
-                                     _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
-    }
-    w.inv_sum[r] = 1.f / _mm512_reduce_add_ps(vsum);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    w.inv_sum[r] = infer::softmax_row_bf16(w.s.data() + r * keys, visible(r), ldp, a.scale, w.p.data() + r * ldp);
   // V as token pairs: word (t, dim) = v[2t][dim] | v[2t + 1][dim] << 16; a token past len is zero
   const int64_t token_pairs = ldp / 2;
   w.v.resize(token_pairs * d);

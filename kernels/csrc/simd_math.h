@@ -4,6 +4,9 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstdint>
+
 namespace infer {
 
 // e^x for 16 lanes: 2^n * 2^f with n = round(x log2 e) and Cephes' exp2f polynomial on f in [-1/2, 1/2]
@@ -29,6 +32,33 @@ inline __m512i bf16_round_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+}
+
+
+// One attention row's probabilities, unnormalised: p[j] = exp(scale * s[j] - max) for the first
+// `visible` scores, zero from there to `width`, rounded to bfloat16 (nearest even) and stored as its
+// bits; returns 1 / (the sum of the rounded values), what P V is divided by at the end.
+inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, float scale, uint16_t* p) {
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < visible; j += 16) {
+    const __mmask16 lanes = visible - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (visible - j)) - 1);
+    vmax = _mm512_mask_max_ps(vmax, lanes, vmax, _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < width; j += 16) {
+    const int64_t live = visible - j >= 16 ? 16 : visible - j > 0 ? visible - j : 0;
+    const __mmask16 lanes = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(
+        lanes, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale), m)));
+    const __m512i rounded = bf16_round_bits(e);
+    const __mmask16 store = width - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - j)) - 1);
+    _mm256_mask_storeu_epi16(p + j, store, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    // the sum of what P V multiplies: the rounded values
+    vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+  }
+  return 1.f / _mm512_reduce_add_ps(vsum);
 }
 
 }  // namespace infer
