@@ -16,7 +16,8 @@ import torch
 
 from .extension import build, cpu_has_avx512_bf16
 
-BLOCK_N = 64  # output columns per weight block (csrc/bf16_linear.cpp)
+WIDE, NARROW = 64, 32  # output columns per weight block (csrc/bf16_linear.cpp)
+NARROW_UP_TO = 1024  # weights of at most this many output columns get narrow blocks
 
 
 @lru_cache(maxsize=1)
@@ -33,16 +34,26 @@ def fits(weight: torch.Tensor) -> bool:
     return weight.dtype == torch.bfloat16 and weight.dim() == 2 and weight.shape[1] % 2 == 0
 
 
+def block_width(n: int) -> int:
+    """Columns per block for an N-column weight: 32 for a narrow one, so that a decode step's few
+    blocks split evenly over the threads (576 columns in 64s: 9 blocks, one thread gets 5), else 64,
+    which reuses each broadcast of x over more columns."""
+    return NARROW if n <= NARROW_UP_TO else WIDE
+
+
 def padded_rows(n: int) -> int:
-    """Output columns of an N-column weight once packed: N rounded up to whole 64-column blocks."""
-    return -(-n // BLOCK_N) * BLOCK_N
+    """Output columns of an N-column weight once packed: N rounded up to whole blocks."""
+    width = block_width(n)
+    return -(-n // width) * width
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> [ceil(N/64), K/2, 64, 2]: per block of 64 output columns, each k pair of every column
-    side by side (zero columns pad N to a whole block), so a block reads as one sequential stream."""
+    """[N, K] -> [ceil(N/W), K/2, W, 2], W = block_width(N): per block of W output columns, each k pair
+    of every column side by side (zero columns pad N to a whole block), so a block reads as one
+    sequential stream."""
     n, k = weight.shape
-    blocks = padded_rows(n) // BLOCK_N
-    padded = torch.zeros(blocks * BLOCK_N, k, dtype=weight.dtype)
+    width = block_width(n)
+    blocks = padded_rows(n) // width
+    padded = torch.zeros(blocks * width, k, dtype=weight.dtype)
     padded[:n] = weight.detach()
-    return padded.view(blocks, BLOCK_N, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(blocks, width, k // 2, 2).permute(0, 2, 1, 3).contiguous()

@@ -46,19 +46,22 @@ def _random_linear(n: int, k: int, bias: bool, gen) -> nn.Linear:
 
 
 @pytest.mark.parametrize("kernel", _kernels())
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 16, 33, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 16, 33, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_float64(kernel, rows, bias):
+@pytest.mark.parametrize("wide", [False, True])
+def test_packed_linear_matches_float64(kernel, rows, bias, wide):
     gen = torch.Generator().manual_seed(torch.initial_seed())
-    # 1536 inputs: 300 rows span two of the AMX kernel's row blocks; 96 outputs: one and a half of
-    # the AVX-512 BF16 kernel's 64-column blocks; rows 1..7 take each of its row tiles (6, 4, 2, 1)
-    linear = _random_linear(96, 1536 if rows == 300 else 192, bias, gen)
+    # 1536 inputs: 300 rows span two of the AMX kernel's row blocks. The AVX-512 BF16 kernel packs
+    # 96 outputs in three 32-column blocks (row tiles 12, 4, 2, 1) and 1100 in 64-column ones, the
+    # last one part full (row tiles 6, 4, 2, 1); 1088 for AMX, which needs whole 32-column tiles
+    n = (1088 if kernel == "amx" else 1100) if wide else 96
+    linear = _random_linear(n, 1536 if rows == 300 else 192, bias, gen)
     packed = PackedLinear(linear, kernel, MODULES.get(kernel))
     assert packed.kernel == kernel
     x = torch.randn(rows, linear.in_features, generator=gen).to(torch.bfloat16)
     want = x.double() @ linear.weight.double().t() + (linear.bias.double() if bias else 0)
     got = packed(x)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 96)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     # float32 accumulation rounded once to bfloat16: within a bf16 ulp or two of the exact result
     scale = want.abs().max().item()
     assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * scale)
@@ -83,7 +86,7 @@ def test_amx_linear_takes_strided_rows_and_falls_back_on_shapes_it_cannot_tile()
 @pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here")
 def test_avx512_bf16_linear_takes_strided_rows_and_checks_its_inputs():
     gen = torch.Generator().manual_seed(torch.initial_seed())
-    linear = _random_linear(130, 96, True, gen)  # 130 outputs: two whole blocks and 2 columns of a third
+    linear = _random_linear(130, 96, True, gen)  # 130 outputs: four whole 32-column blocks and 2 columns of a fifth
     packed = PackedLinear(linear, "avx512bf16", BF16)
     wide = torch.randn(9, 200, generator=gen).to(torch.bfloat16)
     x = wide[:, 3:99]  # rows 200 apart, as a slice of a fused projection's output is

@@ -10,7 +10,7 @@
 
 namespace infer {
 
-constexpr int64_t kRowChunk = 48;     // rows per work item of a prompt chunk (8 tiles of 6)
+constexpr int64_t kRowChunk = 48;     // rows per work item of a prompt chunk (8 tiles of 6, 4 of 12)
 constexpr int64_t kDynamicRows = 16;  // from this many rows on, threads take work items as they go
 
 // fn(block, first row, end row) over every block and all m rows.
