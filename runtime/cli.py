@@ -10,23 +10,36 @@ from infer.kernels.resolver import BACKENDS, DEVICES
 from .artifact import ArtifactError, verify_artifact
 
 
+def _at_least(minimum: int):
+    """An argparse type: an integer of at least ``minimum``, refused at parse time (before the model loads)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}, the least this option takes")
+        return value
+    return parse
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="infer-run", description="Load a verified infer artifact and run it.")
     p.add_argument("artifact", help="artifact directory written by infer-build")
     p.add_argument("--prompt", help="answer this prompt and exit (chat template applied unless --raw)")
     p.add_argument("--raw", action="store_true", help="send --prompt as raw text, without the chat template")
-    p.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--max-tokens", type=_at_least(1), default=256, help="most tokens to generate (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="compute dtype (default: the artifact's)")
     p.add_argument("--kv-cache-memory", type=str, default=None,
                    help="KV cache size in bytes, or with a unit: 512M, 4G (default: 20%% of available RAM)")
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024,
+    p.add_argument("--max-num-seqs", type=_at_least(1), default=128)
+    p.add_argument("--max-model-len", type=_at_least(1), default=None)
+    p.add_argument("--max-num-batched-tokens", type=_at_least(1), default=1024,
                    help="most tokens one step computes; longer prompts are prefilled in chunks (default 1024)")
-    p.add_argument("--prefill-batch-tokens", type=int, default=128,
+    p.add_argument("--prefill-batch-tokens", type=_at_least(0), default=128,
                    help="waiting prompts stop joining a step once its prompt tokens reach this: a burst of long "
                         "prompts is prefilled one after another, the first answered first; short ones still "
                         "share a step (default 128; 0: only --max-num-batched-tokens limits them)")
@@ -49,15 +62,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "captured at load; --no-cuda-graphs runs every step eagerly (default on)")
     s = p.add_argument_group("server (without --prompt: an OpenAI-compatible HTTP API)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--port", type=_at_least(1), default=8000, help="port to listen on (default 8000)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                         "(default: $INFER_API_KEY, else none)")
-    s.add_argument("--max-queue", type=int, default=256,
+    s.add_argument("--max-queue", type=_at_least(1), default=256,
                    help="most requests waiting for a batch slot; past it, 429 with Retry-After (default 256)")
     s.add_argument("--grace-period", type=float, default=30.0,
                    help="on SIGTERM, seconds in-flight requests get to finish before they are aborted (default 30)")
-    s.add_argument("--max-body", type=int, default=32 << 20, help="largest request body in bytes (default 32 MiB)")
+    s.add_argument("--max-body", type=_at_least(1), default=32 << 20, help="largest request body in bytes (default 32 MiB)")
     s.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     s.add_argument("--access-log", action="store_true", help="log one line per HTTP request (no bodies)")
     s.add_argument("--step-trace", metavar="FILE", default=None,

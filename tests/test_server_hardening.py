@@ -546,3 +546,17 @@ def test_soak_64_streaming_clients_with_disconnects_and_hostile_requests(big):
     assert m[aborted] > before[aborted]  # the disconnects reached the engine as aborts
     assert httpx.get(f"{big.url}/health").status_code == 200
     assert {p: greedy(big, p, SOAK_TOKENS) for p in SOAK_PROMPTS} == expected
+
+
+@pytest.mark.parametrize("option,value,bound", [("--max-num-seqs", "0", "below 1"), ("--max-tokens", "-3", "below 1"),
+                                                ("--prefill-batch-tokens", "-1", "below 0"),
+                                                ("--max-num-batched-tokens", "many", "not an integer")])
+def test_infer_run_refuses_out_of_range_counts_before_loading_anything(option, value, bound, capsys):
+    from infer.runtime.cli import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["no-such-artifact", option, value])  # refused at parse time: the artifact is never opened
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert option in err and bound in err, err
+    assert parse_args(["a", "--prefill-batch-tokens", "0"]).prefill_batch_tokens == 0  # 0: a documented setting
