@@ -51,15 +51,10 @@ def test_kernel_matches_float64(dtype, tol, heads, kv_heads, head_dim):
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(heads, kv_heads, head_dim):
     # a row's result must not depend on the rows it shares a step with (the engine's decode steps are
     # batch-invariant: the fused-decode test compares a request alone with it in a batch)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # CI's count: alone, fewer tasks than threads x 2; in the batch, more
-    try:
-        q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, torch.bfloat16)
-        batch = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
-        alones = [cpu_attention.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1],
-                                                       head_dim ** -0.5) for i in range(7)]
-    finally:
-        torch.set_num_threads(threads)
+    q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, torch.bfloat16)
+    batch = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    alones = [cpu_attention.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], head_dim ** -0.5)
+              for i in range(7)]
     for i, alone in enumerate(alones):
         assert torch.equal(alone, batch[i:i + 1]), i
         want = reference(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1])

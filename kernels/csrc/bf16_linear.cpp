@@ -3,7 +3,7 @@
 // A decode step multiplies one row (or a few) by every weight of the model: the weights stream
 // from memory once per step, and how close a step comes to the memory-bandwidth floor is how
 // steadily they stream. The weight is stored once, at load, as one sequential stream per block
-// of 64 output columns (32 for a narrow weight): [N/64][K/2][64][2], each k pair of the block's
+// of W = 64 output columns (32 for a narrow weight): [N/W][K/2][W][2], each k pair of the block's
 // columns side by side, the pair layout vdpbf16ps multiplies against a broadcast pair of x. A tile
 // of rows x block columns reads its block front to back and keeps every partial sum in registers,
 // lanes = output columns, so there is no horizontal reduction; more rows reuse each weight load
@@ -26,7 +26,6 @@
 #include <immintrin.h>
 
 namespace {
-
 
 inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
@@ -103,9 +102,9 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
   infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r, int64_t r1) {
     const uint16_t* w = wp + blk * block_elems;
     if (width == 64)
-      rows_of_block<4>(xp, ldx, pairs, w, b, yp, blk * 64, n, r, r1);
+      rows_of_block<4>(xp, ldx, pairs, w, b, yp, blk * width, n, r, r1);
     else
-      rows_of_block<2>(xp, ldx, pairs, w, b, yp, blk * 32, n, r, r1);
+      rows_of_block<2>(xp, ldx, pairs, w, b, yp, blk * width, n, r, r1);
   });
   return y;
 }

@@ -10,9 +10,9 @@ instead, chosen per layer at load:
   (oneDNN), 30 rows 15-19 vs 24-38 ms, 430 rows 155-200 vs 215-270 ms; the 57 MB LM head for one
   row 1.7 vs 5-6 ms. Used for the LM head too (a copy, when it shares the embedding's weight).
 - AVX-512 BF16 blocks (kernels/bf16_linear.py), on CPUs with those instructions and no AMX (or
-  with AMX switched off): the same idea, one sequential stream per 64 output columns (32 for narrow weights); on a Zen 4
-  host, every linear of the embedded model once (a decode step's weights) 10 vs 20 ms at 1 row,
-  and ahead of oneDNN up to 256 rows. The LM head too, as with AMX.
+  with AMX switched off): the same idea, one sequential stream per 64 output columns (32 for
+  narrow weights); on a Zen 4 host, every linear of the embedded model once (a decode step's
+  weights) 10 vs 20 ms at 1 row, and ahead of oneDNN up to 256 rows. The LM head too, as with AMX.
 - oneDNN's blocked layout elsewhere (as torch.compile's CPU freezing does): a 30-token prefill
   after a cached prefix 86 -> 73 ms, a 430-token prefill 420 -> 320 ms, a batch-64 decode step
   135 -> 117 ms, one thread. float32 gains nothing (tried), so only bfloat16 is packed.
