@@ -10,8 +10,9 @@ from infer.kernels.resolver import BACKENDS, DEVICES
 from .artifact import ArtifactError, verify_artifact
 
 
-def _at_least(minimum: int):
-    """An argparse type: an integer of at least ``minimum``, refused at parse time (before the model loads)."""
+def _at_least(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer of at least ``minimum`` (and at most ``maximum``), refused at parse
+    time (before the model loads)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -19,6 +20,8 @@ def _at_least(minimum: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}, the least this option takes")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}, the most this option takes")
         return value
     return parse
 
@@ -62,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "captured at load; --no-cuda-graphs runs every step eagerly (default on)")
     s = p.add_argument_group("server (without --prompt: an OpenAI-compatible HTTP API)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=_at_least(1), default=8000, help="port to listen on (default 8000)")
+    s.add_argument("--port", type=_at_least(1, 65535), default=8000, help="port to listen on (default 8000)")
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
                         "(default: $INFER_API_KEY, else none)")

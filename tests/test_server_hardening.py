@@ -550,6 +550,7 @@ def test_soak_64_streaming_clients_with_disconnects_and_hostile_requests(big):
 
 @pytest.mark.parametrize("option,value,bound", [("--max-num-seqs", "0", "below 1"), ("--max-tokens", "-3", "below 1"),
                                                 ("--prefill-batch-tokens", "-1", "below 0"),
+                                                ("--port", "65536", "above 65535"), ("--port", "0", "below 1"),
                                                 ("--max-num-batched-tokens", "many", "not an integer")])
 def test_infer_run_refuses_out_of_range_counts_before_loading_anything(option, value, bound, capsys):
     from infer.runtime.cli import parse_args
