@@ -9,7 +9,11 @@ are counted from the final usage (``stream_options.include_usage``).
 ``--url`` loads one server. ``--target NAME=URL[@MODEL]`` (repeatable) runs the same workload (the
 same prompts, output lengths and arrival times) against each target in turn, prints them side by
 side, and writes one JSON entry per target in the fields of vLLM's ``vllm bench serve
---save-result``, so that either tool's results read the same.
+--save-result``, so that either tool's results read the same. ``--rounds N`` repeats that N times,
+the targets' order reversed every other round (A B, B A, ...) so that a host growing slower or
+faster mid-run weighs on each alike; each target's entry then holds the median over rounds of every
+figure, ``rounds`` every round's full entries, and ``ratios`` the first target's figures over each
+other's, round by round and their median: on a shared host one round's p99 moves by 10-30%.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -427,9 +432,16 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="write the summary and per-request records here")
     p.add_argument("--plot", default=None, help="--url only: write a PNG of the latency distributions here")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="--target only: run the targets this many times, order reversed every other round, and "
+                        "report medians and per-round ratios (default 1)")
     args = p.parse_args(argv)
     if args.requests < 1 or args.rate <= 0:
         p.error("--requests must be >= 1 and --rate > 0")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    if args.rounds > 1 and not args.target:
+        p.error("--rounds compares targets round by round: use it with --target")
     if not 0 <= args.range_ratio < 1:
         p.error("--range-ratio must be in [0, 1)")
     args.dataset_name = args.dataset_name or ("jsonl" if args.dataset else "random")
@@ -504,23 +516,78 @@ def main(argv=None) -> int:
         return report_one(args, items, offsets, models[""], config)
 
     workload = describe_workload(args, items, vocab)
-    entries = {}
-    for name, url, _ in targets:
-        print(f"infer-bench serve: {name} ({url}, model {models[name]}): {workload}", file=sys.stderr, flush=True)
-        # one request first, not counted (as vLLM's client does): a server's one-off first-call costs stay out
-        warm, _ = asyncio.run(run(args, items[:1], url, models[name], [0.0]))
-        if not warm[0].ok:
-            print(f"infer-bench: error: {name}: the warm-up request failed: {warm[0].error}", file=sys.stderr)
-            return 1
-        results, duration = asyncio.run(run(args, items, url, models[name], offsets))
-        entries[name] = {"label": name, "base_url": url, "model_id": models[name],
-                         **vllm_result(results, items, duration, args)}
-    print(compare_table(entries, workload))
+    rounds = []
+    for r in range(args.rounds):
+        entries = {}
+        for name, url, _ in (targets if r % 2 == 0 else targets[::-1]):
+            label = f"round {r + 1}/{args.rounds}: " if args.rounds > 1 else ""
+            print(f"infer-bench serve: {label}{name} ({url}, model {models[name]}): {workload}", file=sys.stderr,
+                  flush=True)
+            # one request first, not counted (as vLLM's client does): a server's one-off first-call costs stay out
+            warm, _ = asyncio.run(run(args, items[:1], url, models[name], [0.0]))
+            if not warm[0].ok:
+                print(f"infer-bench: error: {name}: the warm-up request failed: {warm[0].error}", file=sys.stderr)
+                return 1
+            results, duration = asyncio.run(run(args, items, url, models[name], offsets))
+            entries[name] = {"label": name, "base_url": url, "model_id": models[name],
+                             **vllm_result(results, items, duration, args)}
+        rounds.append({name: entries[name] for name, _, _ in targets})
+        if args.rounds > 1:
+            print(compare_table(rounds[-1], f"round {r + 1} of {args.rounds}: {workload}"), flush=True)
+    if args.rounds == 1:
+        entries, summary = rounds[0], {}
+    else:
+        entries = {name: median_entry([rd[name] for rd in rounds]) for name, _, _ in targets}
+        summary = {"rounds": rounds, "ratios": ratios(rounds, [name for name, _, _ in targets])}
+    print(compare_table(entries, (f"median of {args.rounds} rounds: " if args.rounds > 1 else "") + workload))
+    if summary:
+        print(ratio_table(summary["ratios"]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "workload": workload, "targets": entries},
-                                              indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({"config": config, "workload": workload, "targets": entries,
+                                               **summary}, indent=2) + "\n")
         print(f"  json: {args.json}")
-    return 0 if all(e["failed"] == 0 for e in entries.values()) else 1
+    return 0 if all(e["failed"] == 0 for rd in rounds for e in rd.values()) else 1
+
+
+RATIO_FIELDS = ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms", "output_throughput")
+
+
+def median_entry(entries: list[dict]) -> dict:
+    """One target over rounds: each numeric figure's median (the per-request lists stay in ``rounds``)."""
+    first = entries[0]
+    out = {k: first[k] for k in ("label", "base_url", "model_id", "num_prompts", "request_rate", "burstiness",
+                                 "max_concurrency")}
+    for key, value in first.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in out:
+            out[key] = statistics.median(e[key] for e in entries)
+    out["errors"] = sorted({x for e in entries for x in e["errors"] if x})
+    out["rounds"] = len(entries)
+    return out
+
+
+def ratios(rounds: list[dict], names: list[str]) -> dict:
+    """The first target's figures over each other target's, per round and their median: a ratio taken
+    within a round compares two runs minutes apart, not a fast round of one against a slow of the other."""
+    subject = names[0]
+    out = {}
+    for other in names[1:]:
+        per = {}
+        for key in RATIO_FIELDS:
+            values = [rd[subject][key] / rd[other][key] for rd in rounds if rd[other][key]]
+            per[key] = {"rounds": values, "median": statistics.median(values) if values else None}
+        out[f"{subject}/{other}"] = per
+    return out
+
+
+def ratio_table(table: dict) -> str:
+    lines = []
+    for pair, per in table.items():
+        lines += ["", f"  {pair}, round by round (median):"]
+        for key, v in per.items():
+            rounds = " ".join(f"{x:.2f}" for x in v["rounds"])
+            med = "n/a" if v["median"] is None else f"{v['median']:.2f}x"
+            lines.append(f"    {key:<20} {med:>7}   ({rounds})")
+    return "\n".join(lines)
 
 
 def report_one(args, items: list[dict], offsets: list[float], model: str, config: dict) -> int:

@@ -5,6 +5,7 @@ against hand-computed values, token-exact random prompts, and the command line's
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -133,6 +134,36 @@ def test_compare_mode_runs_one_workload_against_each_target(fakes, tmp_path, cap
     assert slow_e["median_itl_ms"] > 20 and slow_e["median_tpot_ms"] > 20
 
 
+def test_rounds_alternate_the_targets_and_report_medians_and_per_round_ratios(fakes, tmp_path, capsys):
+    fast, slow = fakes
+    out = tmp_path / "rounds.json"
+    rc = serve.main(["--target", f"fast={fast.url}", "--target", f"slow={slow.url}", "--rounds", "3",
+                     "--requests", "3", "--rate", "20", "--input-len", "6", "--output-len", "3", "--seed", "1",
+                     "--json", str(out), "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "round 3 of 3" in printed and "median of 3 rounds" in printed and "fast/slow" in printed
+
+    # each round: a warm-up and 3 requests per target; the order fast slow, slow fast, fast slow makes
+    # runs of 4, 8, 8 and 4 requests to one server
+    log = sorted([(t, "fast") for t, _ in fast.log] + [(t, "slow") for t, _ in slow.log])
+    runs = [(name, len(list(group))) for name, group in itertools.groupby(name for _, name in log)]
+    assert runs == [("fast", 4), ("slow", 8), ("fast", 8), ("slow", 4)]
+
+    result = json.loads(out.read_text())
+    assert len(result["rounds"]) == 3 and all(list(rd) == ["fast", "slow"] for rd in result["rounds"])
+    for name in ("fast", "slow"):
+        entry, per_round = result["targets"][name], [rd[name] for rd in result["rounds"]]
+        assert entry["rounds"] == 3 and entry["completed"] == 3 and entry["errors"] == []
+        for key in ("p99_ttft_ms", "p50_tpot_ms", "output_throughput", "duration"):
+            assert entry[key] == sorted(e[key] for e in per_round)[1], key  # the median of three
+        assert all(len(e["ttfts"]) == 3 for e in per_round)  # per-request lists stay with their round
+    ttft = result["ratios"]["fast/slow"]["p99_ttft_ms"]
+    expected = [rd["fast"]["p99_ttft_ms"] / rd["slow"]["p99_ttft_ms"] for rd in result["rounds"]]
+    assert ttft["rounds"] == pytest.approx(expected) and ttft["median"] == pytest.approx(sorted(expected)[1])
+    assert all(r < 0.5 for r in ttft["rounds"])  # made with 20 ms against 250 ms to the first token
+
+
 def _result(ttft, e2e, out_tokens, itl, prompt_tokens, ok=True, error=None):
     return serve.Result(ok=ok, error=error, prompt_tokens=prompt_tokens, output_tokens=out_tokens, ttft=ttft, e2e=e2e,
                         tpot=(e2e - ttft) / (out_tokens - 1) if ok and out_tokens > 1 else None, itl=itl)
@@ -215,6 +246,8 @@ def test_arrival_offsets_are_poisson_and_seeded():
     (["--target", "a=http://x", "--plot", "p.png"], "--plot"),
     (["--url", "http://x", "--target", "a=http://y"], "not allowed"),
     (["--dataset-name", "jsonl"], "--dataset"),
+    (["--url", "http://x", "--rounds", "2"], "use it with --target"),
+    (["--target", "a=http://x", "--rounds", "0"], "--rounds must be >= 1"),
     (["--dataset", "d.jsonl", "--tokenizer", "t"], "--tokenizer"),
 ])
 def test_command_line_refusals(argv, message, capsys):
