@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,17 +40,53 @@ def test_kernel_builds_here():
     assert cpu_attention.load() is not None
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 5e-3)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 40)])
-def test_kernel_matches_float64(dtype, tol, heads, kv_heads, head_dim):
+@contextlib.contextmanager
+def decode_path(path: str):
+    """A bfloat16 cache's decode path: "avx512bf16" where the CPU has it, or "float" (what a CPU
+    without it runs), forced so that both are checked on this host."""
+    module = cpu_attention.load()
+    if path == "avx512bf16" and not module.use_bf16_path(True):
+        pytest.skip("this CPU has no AVX-512 BF16: only the float path exists here (the 'float' case ran)")
+    module.use_bf16_path(path == "avx512bf16")
+    try:
+        yield
+    finally:
+        module.use_bf16_path(True)
+
+
+@pytest.fixture(params=["avx512bf16", "float"])
+def bf16_decode_path(request):
+    with decode_path(request.param):
+        yield request.param
+
+
+@pytest.mark.parametrize("dtype,tol,path", [(torch.float32, 1e-5, "float"), (torch.bfloat16, 2e-2, "avx512bf16"),
+                                            (torch.bfloat16, 2e-2, "float"), (torch.float16, 5e-3, "float")])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (8, 2, 40), (16, 2, 128)])
+def test_kernel_matches_float64(dtype, tol, path, heads, kv_heads, head_dim):
     q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, dtype)
-    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    with decode_path(path):
+        got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
     assert got.dtype == dtype
     assert (got.double() - reference(q, k, v, tables, lens)).abs().max().item() < tol
 
 
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 32), (16, 2, 128)])
+def test_bfloat16_kernel_walks_any_block_size_and_any_length(block_size, heads, kv_heads, head_dim, bf16_decode_path):
+    # the bfloat16 path scores 16 tokens at a time and walks the block table a token at a time:
+    # lengths around 16-token groups and block edges, blocks smaller and larger than a group
+    q, k, v, _, _ = random_paged(8, heads, kv_heads, head_dim, torch.bfloat16, block_size)
+    lens = torch.tensor([1, 2, 15, 16, 17, 31, 33, 6 * block_size + 1])
+    width = int(-(-lens.max() // block_size))  # at most 33 of the cache's 64 blocks
+    gen = torch.Generator().manual_seed(torch.initial_seed() + 1)
+    tables = torch.stack([torch.randperm(k.shape[0], generator=gen)[:width] for _ in range(len(lens))])
+    got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    assert (got.double() - reference(q, k, v, tables, lens)).abs().max().item() < 2e-2
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (8, 2, 40)])
-def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(heads, kv_heads, head_dim):
+def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(heads, kv_heads, head_dim, bf16_decode_path):
     # a row's result must not depend on the rows it shares a step with (the engine's decode steps are
     # batch-invariant: the fused-decode test compares a request alone with it in a batch)
     q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, torch.bfloat16)

@@ -10,9 +10,11 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)

@@ -3,14 +3,25 @@
 // One task per (sequence, KV head): the query heads that share that KV head are scored against
 // every cached token, read in place through the block table (no gather, no padding), then
 // softmax and the weighted sum of V, accumulated in float32 whatever the cache dtype.
+//
+// A bfloat16 cache on AVX-512 BF16 (head_dim a multiple of 32) takes bf16_task: q . k by vdpbf16ps
+// (bfloat16 products are exact in float32, so this is the float path's arithmetic in another
+// order), 16 tokens' scores reduced together rather than one horizontal sum a token, V widened
+// two lanes per instruction, and token rows found by walking the block table rather than a
+// division a token. The task is a function of its own sequence alone: a row gets the same bits
+// in any batch.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "float_storage.h"
 #include "simd_math.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -124,6 +135,120 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc_out + g * D * 16 + d * 16, acc[g][d]);
 }
 
+#if defined(__AVX512BF16__)
+// r[t] = the sum of v[t]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: 46 shuffles and
+// adds where 16 horizontal sums would take ~140).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 c[8], d[4];
+  for (int j = 0; j < 8; ++j)  // halves: c[j] = [v[2j] folded to 8 | v[2j+1] folded to 8]
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * j], v[2 * j + 1], 0xEE));
+  for (int j = 0; j < 4; ++j)  // quarters: quarter q of d[j] = v[4j + q] folded to 4
+    d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+  const __m512 e0 = _mm512_add_ps(_mm512_unpacklo_ps(d[0], d[1]), _mm512_unpackhi_ps(d[0], d[1]));
+  const __m512 e1 = _mm512_add_ps(_mm512_unpacklo_ps(d[2], d[3]), _mm512_unpackhi_ps(d[2], d[3]));
+  const __m512 f = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(e0), _mm512_castps_pd(e1))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(e0), _mm512_castps_pd(e1))));
+  // lane 4q + j of f holds v[4j + q]
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, f);
+}
+
+// Walks a sequence's token rows through its block table: one lookup a block, no division a token.
+struct TokenRows {
+  const uint16_t* cache;
+  const int64_t* table;
+  int64_t block_size, block_stride, token_stride, offset;
+  int64_t block = 0, in_block = 0;
+  const uint16_t* next() {
+    const uint16_t* row = cache + table[block] * block_stride + in_block * token_stride + offset;
+    if (++in_block == block_size) in_block = 0, ++block;
+    return row;
+  }
+};
+
+// One (sequence, KV head) task on a bfloat16 cache: G query heads, head_dim = 32 * KD. q rows are
+// bfloat16 (the model's own values, unscaled: the scale multiplies the scores); writes G rows of
+// head_dim float32 to acc_out.
+template <int G, int KD>
+void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
+               int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset,
+               float scale, float* scores, float* acc_out) {
+  __m512bh qv[G][KD];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < KD; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q[g] + 32 * c);
+  const __m512 sc = _mm512_set1_ps(scale);
+  TokenRows keys{k_cache, table, block_size, block_stride, token_stride, kv_offset};
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - t0);
+    const uint16_t* rows[16];
+    for (int64_t i = 0; i < n; ++i) rows[i] = keys.next();
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        acc[i] = _mm512_setzero_ps();
+        if (i < n)
+          for (int c = 0; c < KD; ++c)
+            acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c), qv[g][c]);
+      }
+      _mm512_mask_storeu_ps(scores + g * len + t0, valid, _mm512_mul_ps(sum_lanes16(acc), sc));
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  // a raw 32-lane bfloat16 vector widens to its even lanes (x << 16) and its odd ones (x & 0xffff0000):
+  // acc[g][2c] holds dims 32c, 32c + 2, ..., acc[g][2c + 1] dims 32c + 1, 32c + 3, ...
+  __m512 acc[G][2 * KD];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < 2 * KD; ++c) acc[g][c] = _mm512_setzero_ps();
+  const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
+  TokenRows values{v_cache, table, block_size, block_stride, token_stride, kv_offset};
+  for (int64_t t = 0; t < len; ++t) {
+    const uint16_t* row = values.next();
+    __m512 vr[2 * KD];
+    for (int c = 0; c < KD; ++c) {
+      const __m512i raw = _mm512_loadu_si512(row + 32 * c);
+      vr[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      vr[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
+      for (int c = 0; c < 2 * KD; ++c) acc[g][c] = _mm512_fmadd_ps(p, vr[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < KD; ++c) {
+      alignas(64) float even[16], odd[16];
+      _mm512_store_ps(even, acc[g][2 * c]);
+      _mm512_store_ps(odd, acc[g][2 * c + 1]);
+      float* o = acc_out + g * 32 * KD + 32 * c;
+      for (int i = 0; i < 16; ++i) o[2 * i] = even[i], o[2 * i + 1] = odd[i];
+    }
+}
+
+using Bf16Task = void (*)(const uint16_t* const*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, float, float*, float*);
+
+// Whether a bfloat16 cache takes bf16_task: tests turn it off to check the float path on this host
+// (the one a CPU without AVX-512 BF16 runs).
+inline std::atomic<bool>& bf16_path_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// The bfloat16 task for this shape, or nullptr (the float path then runs).
+inline Bf16Task pick_bf16_task(int64_t group, int64_t head_dim) {
+  if (!bf16_path_on()) return nullptr;
+#define INFER_CASE(G, KD) if (group == G && head_dim == 32 * KD) return &bf16_task<G, KD>;
+  INFER_CASE(1, 1) INFER_CASE(2, 1) INFER_CASE(3, 1) INFER_CASE(4, 1) INFER_CASE(1, 2) INFER_CASE(2, 2)
+  INFER_CASE(3, 2) INFER_CASE(4, 2) INFER_CASE(5, 2) INFER_CASE(6, 2) INFER_CASE(7, 2) INFER_CASE(8, 2)
+  INFER_CASE(1, 4) INFER_CASE(2, 4) INFER_CASE(4, 4) INFER_CASE(7, 4) INFER_CASE(8, 4)
+#undef INFER_CASE
+  return nullptr;
+}
+#endif
+
 using FixedTask = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, float*, float*);
 
@@ -157,6 +282,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #if defined(__AVX512F__)
   const FixedTask fixed = pick_fixed_task<T>(group, head_dim);
 #endif
+#if defined(__AVX512BF16__)
+  const Bf16Task bf16 = std::is_same_v<T, at::BFloat16> ? pick_bf16_task(group, head_dim) : nullptr;
+#endif
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -166,6 +294,21 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const auto token_row = [&](const T* cache, int64_t t) {  // token t's row for this KV head
         return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
       };
+#if defined(__AVX512BF16__)
+      if (bf16 != nullptr) {
+        const uint16_t* qrows[8];
+        for (int64_t g = 0; g < group; ++g)
+          qrows[g] = reinterpret_cast<const uint16_t*>(q + (s * num_heads + kvh * group + g) * head_dim);
+        scores.resize(group * len);
+        bf16(qrows, reinterpret_cast<const uint16_t*>(k_cache), reinterpret_cast<const uint16_t*>(v_cache), table, len,
+             block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data());
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + (s * num_heads + kvh * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+        }
+        continue;
+      }
+#endif
       for (int64_t g = 0; g < group; ++g)
         load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       scores.assign(group * len, 0.f);
@@ -333,7 +476,19 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
 
 #ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)");
-  m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)");
+  // without the GIL, as torch's own ops run: the server's event loop goes on while a layer attends
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("use_bf16_path", [](bool on) {
+#if defined(__AVX512BF16__)
+    bf16_path_on() = on;
+    return true;
+#else
+    (void)on;
+    return false;  // built without AVX-512 BF16: the float path is the only one
+#endif
+  }, "whether a bfloat16 cache takes the AVX-512 BF16 path (tests: false checks the float path); returns whether it exists");
 }
 #endif
