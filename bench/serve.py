@@ -11,8 +11,10 @@ same prompts, output lengths and arrival times) against each target in turn, pri
 side, and writes one JSON entry per target in the fields of vLLM's ``vllm bench serve
 --save-result``, so that either tool's results read the same. ``--rounds N`` repeats that N times,
 the targets' order reversed every other round (A B, B A, ...) so that a host growing slower or
-faster mid-run weighs on each alike; each target's entry then holds the median over rounds of every
-figure, ``rounds`` every round's full entries, and ``ratios`` the first target's figures over each
+faster mid-run weighs on each alike, and every round its own random prompts (the same arrival
+times), so that no server's prefix cache answers a round from the one before (which is also why two
+runs against one server want different ``--seed``). Each target's entry then holds the median over
+rounds of every figure, ``rounds`` every round's full entries, and ``ratios`` the first target's figures over each
 other's, round by round and their median: on a shared host one round's p99 moves by 10-30%.
 """
 
@@ -504,12 +506,20 @@ def main(argv=None) -> int:
                 return 1
             vocabs.append(vocab)
     vocab = vocabs[0] if want_vocab and len(set(vocabs)) == 1 else None  # token ids only where all agree
-    if args.dataset_name == "jsonl":
-        items = load_dataset(args.dataset, args.requests, args.output_len, rng)
-    else:
-        tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
-        items = random_workload(args.requests, args.input_len, args.output_len, args.range_ratio, vocab, rng,
-                                tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer and args.dataset_name == "random" else None
+
+    def workload_items(round_index: int) -> list[dict]:
+        """Round 0's prompts come from --seed; each later round draws its own, so that a server's prefix
+        cache cannot answer a round from the one before (the arrival times stay the same)."""
+        r = rng if round_index == 0 else random.Random(f"{args.seed}/round {round_index}")
+        if args.dataset_name == "jsonl":
+            return load_dataset(args.dataset, args.requests, args.output_len, r)
+        return random_workload(args.requests, args.input_len, args.output_len, args.range_ratio, vocab, r, tokenizer)
+
+    items = workload_items(0)
+    if args.rounds > 1 and args.dataset_name == "jsonl":
+        print("infer-bench serve: warning: every round sends the dataset's prompts again; a server that caches "
+              "prefixes answers the later rounds' from its cache", file=sys.stderr)
     offsets = arrival_offsets(len(items), args.rate, args.seed)
     config = {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"}
     if not args.target:
@@ -518,6 +528,8 @@ def main(argv=None) -> int:
     workload = describe_workload(args, items, vocab)
     rounds = []
     for r in range(args.rounds):
+        if r:
+            items = workload_items(r)
         entries = {}
         for name, url, _ in (targets if r % 2 == 0 else targets[::-1]):
             label = f"round {r + 1}/{args.rounds}: " if args.rounds > 1 else ""

@@ -149,6 +149,12 @@ def test_rounds_alternate_the_targets_and_report_medians_and_per_round_ratios(fa
     log = sorted([(t, "fast") for t, _ in fast.log] + [(t, "slow") for t, _ in slow.log])
     runs = [(name, len(list(group))) for name, group in itertools.groupby(name for _, name in log)]
     assert runs == [("fast", 4), ("slow", 8), ("fast", 8), ("slow", 4)]
+    # within a round both targets get the same prompts; every round its own (no prefix cache answers a
+    # round from the last), at the same arrival times
+    prompts = {name: [[body["prompt"] for _, body in sorted(server.log, key=lambda r: r[0])][4 * i:4 * i + 4]
+                      for i in range(3)] for name, server in (("fast", fast), ("slow", slow))}
+    assert prompts["fast"] == prompts["slow"]
+    assert len({p for rnd in prompts["fast"] for p in rnd}) == 3 * 3  # the warm-up repeats its round's first
 
     result = json.loads(out.read_text())
     assert len(result["rounds"]) == 3 and all(list(rd) == ["fast", "slow"] for rd in result["rounds"])
