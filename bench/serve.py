@@ -12,10 +12,11 @@ side, and writes one JSON entry per target in the fields of vLLM's ``vllm bench 
 --save-result``, so that either tool's results read the same. ``--rounds N`` repeats that N times,
 the targets' order reversed every other round (A B, B A, ...) so that a host growing slower or
 faster mid-run weighs on each alike, and every round its own random prompts (the same arrival
-times), so that no server's prefix cache answers a round from the one before (which is also why two
-runs against one server want different ``--seed``). Each target's entry then holds the median over
-rounds of every figure, ``rounds`` every round's full entries, and ``ratios`` the first target's figures over each
-other's, round by round and their median: on a shared host one round's p99 moves by 10-30%.
+times), so that no server's prefix cache answers a round from the one before (which is also why
+two runs against one server want different ``--seed``). Each target's entry then holds the median
+over rounds of every figure, ``rounds`` every round's full entries, and ``ratios`` the first
+target's figures over each other's, round by round and their median: on a shared host one round's
+p99 moves by 10-30%.
 """
 
 from __future__ import annotations
