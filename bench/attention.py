@@ -1,11 +1,15 @@
-"""Prompt-chunk attention: the AVX-512 BF16 chunk kernel against torch's SDPA, same run, same inputs.
+"""Attention kernels against torch's SDPA, same run, same inputs: prompt chunks and decode steps.
 
 The embedded model's attention shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16) at
-one layer, for a fresh prompt of each length and for a chunk after cached tokens (a request
-reusing a cached system prompt). SDPA gets the keys and values already contiguous (what the
-engine's fresh-prompt path gives it; a chunk after cached tokens would first gather them), so
-its figure is a lower bound on what the engine paid before. Both outputs are checked against a
-float64 reference, so a fast wrong kernel cannot pass.
+one layer. Prompt chunks: the AVX-512 BF16 chunk kernel for a fresh prompt of each length and for
+a chunk after cached tokens (a request reusing a cached system prompt). SDPA gets the keys and
+values already contiguous (what the engine's fresh-prompt path gives it; a chunk after cached
+tokens would first gather them), so its figure is a lower bound on what the engine paid before.
+Decode steps: the paged decode kernel on a bfloat16 cache, its AVX-512 BF16 path and its float
+path (what a CPU without AVX-512 BF16 runs), against gather + SDPA, for batches of sequences of
+300 tokens whose blocks lie anywhere in a pool (as a server's do), call by call in turn, medians.
+Every output is checked
+against a float64 reference, so a fast wrong kernel cannot pass.
 
     python -m infer.bench.attention [--repeats 50] [--json bench/results/attention.json]
 """
@@ -13,6 +17,7 @@ float64 reference, so a fast wrong kernel cannot pass.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -80,10 +85,70 @@ def main(argv=None) -> dict:
               f"  ({row['speedup']:.2f}x)  max err {err:.4f} (sdpa {sdpa_err:.4f})")
         if err > 1.5 * sdpa_err + 2e-3:
             raise SystemExit(f"the kernel's output is off: max error {err:.4f} against SDPA's {sdpa_err:.4f}")
-    result = {"benchmark": "chunk_attention", "seed": seed, "shape": {"heads": heads, "kv_heads": kv_heads,
-              "head_dim": d, "block_size": block}, "rows": rows}
+    result = {"benchmark": "attention", "seed": seed, "shape": {"heads": heads, "kv_heads": kv_heads,
+              "head_dim": d, "block_size": block}, "rows": rows, "decode_rows": decode_rows(gen, args.repeats)}
     save_json(result, args.json)
     return result
+
+
+DECODE_BATCHES = (1, 4, 16, 64)
+DECODE_CONTEXT = 300
+
+
+def decode_rows(gen: torch.Generator, repeats: int) -> list[dict]:
+    from infer.kernels import cpu_attention
+
+    module = cpu_attention.load()
+    heads, kv_heads, d, block, pool = 9, 3, 64, 16, 4096
+    k_cache = torch.randn(pool, block, kv_heads, d, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(pool, block, kv_heads, d, generator=gen).to(torch.bfloat16)
+    width = -(-DECODE_CONTEXT // block)
+    rows = []
+    for batch in DECODE_BATCHES:
+        tables = torch.stack([torch.randperm(pool, generator=gen)[:width] for _ in range(batch)])
+        lens = torch.full((batch,), DECODE_CONTEXT, dtype=torch.long)
+        q = torch.randn(batch, heads, d, generator=gen).to(torch.bfloat16)
+        kd = k_cache[tables].view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT].transpose(1, 2)
+        vd = v_cache[tables].view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT].transpose(1, 2)
+        want = F.scaled_dot_product_attention(q.double()[:, :, None], kd.double().repeat_interleave(3, 1),
+                                              vd.double().repeat_interleave(3, 1))[:, :, 0]
+
+        def sdpa():  # the engine's fallback: gather the blocks, then one SDPA call
+            kg = k_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT]
+            vg = v_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT]
+            return F.scaled_dot_product_attention(q[:, :, None], kg.transpose(1, 2), vg.transpose(1, 2),
+                                                  enable_gqa=True)[:, :, 0]
+
+        def kernel(path_on: bool):
+            def call():
+                module.use_bf16_path(path_on)
+                return module.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+            return call
+
+        row = {"batch": batch, "context": DECODE_CONTEXT}
+        paths = [("float", kernel(False)), ("sdpa", sdpa)]
+        if module.use_bf16_path(True):  # else this CPU has no AVX-512 BF16: the float path is the kernel here
+            paths.insert(0, ("avx512bf16", kernel(True)))
+        seconds = {name: [] for name, _ in paths}
+        for rep in range(repeats):  # call by call, the order turned every round: the host's drift weighs alike
+            for name, fn in paths if rep % 2 == 0 else paths[::-1]:
+                start = time.perf_counter()
+                fn()
+                seconds[name].append(time.perf_counter() - start)
+        for name, fn in paths:
+            row[f"{name}_us"] = round(statistics.median(seconds[name]) * 1e6, 1)
+            row[f"{name}_max_err_vs_float64"] = round((fn().double() - want).abs().max().item(), 5)
+        module.use_bf16_path(True)
+        rows.append(row)
+        fast = row.get("avx512bf16_us")
+        print(f"decode batch {batch:3d} x {DECODE_CONTEXT} tokens: " +
+              (f"avx512bf16 {fast:8.1f} us  " if fast else "") +
+              f"float path {row['float_us']:8.1f} us  gather + sdpa {row['sdpa_us']:8.1f} us" +
+              (f"  (avx512bf16 {row['float_us'] / fast:.2f}x the float path)" if fast else ""))
+        worst = max(v for k, v in row.items() if k.endswith("_err_vs_float64"))
+        if worst > 2e-2:
+            raise SystemExit(f"decode attention is off at batch {batch}: max error {worst:.4f}")
+    return rows
 
 
 if __name__ == "__main__":
