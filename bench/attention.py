@@ -8,8 +8,7 @@ tokens would first gather them), so its figure is a lower bound on what the engi
 Decode steps: the paged decode kernel on a bfloat16 cache, its AVX-512 BF16 path and its float
 path (what a CPU without AVX-512 BF16 runs), against gather + SDPA, for batches of sequences of
 300 tokens whose blocks lie anywhere in a pool (as a server's do), call by call in turn, medians.
-Every output is checked
-against a float64 reference, so a fast wrong kernel cannot pass.
+Every output is checked against a float64 reference, so a fast wrong kernel cannot pass.
 
     python -m infer.bench.attention [--repeats 50] [--json bench/results/attention.json]
 """
@@ -110,8 +109,9 @@ def decode_rows(gen: torch.Generator, repeats: int) -> list[dict]:
         q = torch.randn(batch, heads, d, generator=gen).to(torch.bfloat16)
         kd = k_cache[tables].view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT].transpose(1, 2)
         vd = v_cache[tables].view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT].transpose(1, 2)
-        want = F.scaled_dot_product_attention(q.double()[:, :, None], kd.double().repeat_interleave(3, 1),
-                                              vd.double().repeat_interleave(3, 1))[:, :, 0]
+        group = heads // kv_heads
+        want = F.scaled_dot_product_attention(q.double()[:, :, None], kd.double().repeat_interleave(group, 1),
+                                              vd.double().repeat_interleave(group, 1))[:, :, 0]
 
         def sdpa():  # the engine's fallback: gather the blocks, then one SDPA call
             kg = k_cache.index_select(0, tables.flatten()).view(batch, -1, kv_heads, d)[:, :DECODE_CONTEXT]

@@ -532,8 +532,8 @@ def main(argv=None) -> int:
         if r:
             items = workload_items(r)
         entries = {}
+        label = f"round {r + 1}/{args.rounds}: " if args.rounds > 1 else ""
         for name, url, _ in (targets if r % 2 == 0 else targets[::-1]):
-            label = f"round {r + 1}/{args.rounds}: " if args.rounds > 1 else ""
             print(f"infer-bench serve: {label}{name} ({url}, model {models[name]}): {workload}", file=sys.stderr,
                   flush=True)
             # one request first, not counted (as vLLM's client does): a server's one-off first-call costs stay out
@@ -597,9 +597,9 @@ def ratio_table(table: dict) -> str:
     for pair, per in table.items():
         lines += ["", f"  {pair}, round by round (median):"]
         for key, v in per.items():
-            rounds = " ".join(f"{x:.2f}" for x in v["rounds"])
+            each = " ".join(f"{x:.2f}" for x in v["rounds"])
             med = "n/a" if v["median"] is None else f"{v['median']:.2f}x"
-            lines.append(f"    {key:<20} {med:>7}   ({rounds})")
+            lines.append(f"    {key:<20} {med:>7}   ({each})")
     return "\n".join(lines)
 
 

@@ -294,6 +294,12 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       const auto token_row = [&](const T* cache, int64_t t) {  // token t's row for this KV head
         return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
       };
+      const auto write_out = [&] {  // the float accumulators of this task's query heads, as T
+        for (int64_t g = 0; g < group; ++g) {
+          T* o = out + (s * num_heads + kvh * group + g) * head_dim;
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+        }
+      };
 #if defined(__AVX512BF16__)
       if (bf16 != nullptr) {
         const uint16_t* qrows[8];
@@ -302,10 +308,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         scores.resize(group * len);
         bf16(qrows, reinterpret_cast<const uint16_t*>(k_cache), reinterpret_cast<const uint16_t*>(v_cache), table, len,
              block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data());
-        for (int64_t g = 0; g < group; ++g) {
-          T* o = out + (s * num_heads + kvh * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
-        }
+        write_out();
         continue;
       }
 #endif
@@ -317,10 +320,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
         for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
         fixed(qf.data(), k_cache, v_cache, table, len, block_size, block_stride, token_stride, kvh * head_dim,
               scores.data(), acc.data());
-        for (int64_t g = 0; g < group; ++g) {
-          T* o = out + (s * num_heads + kvh * group + g) * head_dim;
-          for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
-        }
+        write_out();
         continue;
       }
 #endif
@@ -377,10 +377,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* o = out + (s * num_heads + kvh * group + g) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
-      }
+      write_out();
     }
   });
 }
