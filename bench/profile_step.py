@@ -3,7 +3,7 @@
 Puts N requests with ~300-token prompts into the engine, prefills them, then profiles a few
 pure-decode steps with torch.profiler and splits the wall time into buckets. It profiles the
 model's Python loop over the layers: where a decode step's layers run as one C++ call
-(runtime/model/fused_decode.py), that call would hide the breakdown, so it is switched off here.
+(runtime/model/fused_step.py), that call would hide the breakdown, so it is switched off here.
 
     python -m infer.bench.profile_step [--artifact DIR] [--batch 64] [--dtype bfloat16]
 """
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
             return kernel(*a)
 
     engine.runner.execute, engine_mod.sample = labelled_execute, labelled_sample
-    fused_decode, engine.model.fused_decode = engine.model.fused_decode, None
+    fused_step, engine.model.fused_step = engine.model.fused_step, None
     if kernel is not None:
         engine.runner.decode_kernel = labelled_kernel
     # the fused norm/rotary/SiLU kernels and the AMX and AVX-512 BF16 matmuls are pybind calls the
@@ -77,7 +77,7 @@ def main(argv=None) -> dict:
             engine.step()
     wall = (time.perf_counter() - start) / args.steps
     engine.runner.execute, engine_mod.sample, engine.runner.decode_kernel = execute, sample, kernel
-    engine.model.fused_decode = fused_decode
+    engine.model.fused_step = fused_step
     for m in fused:
         m.ops = m.ops.module
     for m in packed:

@@ -480,6 +480,23 @@ def probe(http: httpx.Client, url: str, model: str | None, want_vocab: bool) -> 
     return model, vocab
 
 
+def server_info(http: httpx.Client, url: str) -> dict | None:
+    """What a server says of itself at /version (infer: its version, model and kernels; vLLM: its
+    version), so a saved figure names what ran; None where it answers nothing there."""
+    try:
+        answer = http.get(f"{url}/version")
+        return answer.json() if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def host() -> dict:
+    """The machine the client ran on (the servers' too, when they are local): CPU, AMX, cores."""
+    from .throughput import host_info
+
+    return host_info()
+
+
 def describe_workload(args, items: list[dict], vocab: int | None) -> str:
     if args.dataset_name == "jsonl":
         prompts = f"prompts from {args.dataset}"
@@ -497,7 +514,7 @@ def main(argv=None) -> int:
     rng = random.Random(args.seed)
     targets = args.target or [("", args.url, None)]
     want_vocab = args.dataset_name == "random" and not args.tokenizer
-    models, vocabs = {}, []
+    models, vocabs, servers = {}, [], {}
     with httpx.Client(timeout=30, headers=_headers(args)) as http:
         for name, url, model in targets:
             try:
@@ -506,6 +523,7 @@ def main(argv=None) -> int:
                 print(f"infer-bench: error: cannot reach a server at {url}: {e}", file=sys.stderr)
                 return 1
             vocabs.append(vocab)
+            servers[name] = server_info(http, url)
     vocab = vocabs[0] if want_vocab and len(set(vocabs)) == 1 else None  # token ids only where all agree
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer and args.dataset_name == "random" else None
 
@@ -523,8 +541,9 @@ def main(argv=None) -> int:
               "prefixes answers the later rounds' from its cache", file=sys.stderr)
     offsets = arrival_offsets(len(items), args.rate, args.seed)
     config = {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"}
+    where = {"host": host(), "servers": servers}  # which machine and which kernels the figures come from
     if not args.target:
-        return report_one(args, items, offsets, models[""], config)
+        return report_one(args, items, offsets, models[""], config, where)
 
     workload = describe_workload(args, items, vocab)
     rounds = []
@@ -556,7 +575,7 @@ def main(argv=None) -> int:
     if summary:
         print(ratio_table(summary["ratios"]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "workload": workload, "targets": entries,
+        Path(args.json).write_text(json.dumps({"config": config, **where, "workload": workload, "targets": entries,
                                                **summary}, indent=2) + "\n")
         print(f"  json: {args.json}")
     return 0 if all(e["failed"] == 0 for rd in rounds for e in rd.values()) else 1
@@ -603,13 +622,13 @@ def ratio_table(table: dict) -> str:
     return "\n".join(lines)
 
 
-def report_one(args, items: list[dict], offsets: list[float], model: str, config: dict) -> int:
+def report_one(args, items: list[dict], offsets: list[float], model: str, config: dict, where: dict) -> int:
     """``--url``: one server's table, JSON (config, summary, every request) and plot."""
     results, duration = asyncio.run(run(args, items, args.url, model, offsets))
     summary = summarize(results, duration)
     print(table(summary, args))
     if args.json:
-        Path(args.json).write_text(json.dumps({"config": config, "model": model, "summary": summary,
+        Path(args.json).write_text(json.dumps({"config": config, **where, "model": model, "summary": summary,
                                                "requests": [asdict(r) for r in results]}, indent=2) + "\n")
         print(f"  json: {args.json}")
     if args.plot:

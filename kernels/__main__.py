@@ -17,8 +17,8 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m infer.kernels [build]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from . import (amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention, decode_layers,
-                   int4_linear, layer_ops)
+    from . import (amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention,
+                   int4_linear, layer_ops, step_layers)
     from .extension import cache_root
     from .resolver import cpu_has_amx, cpu_has_avx512_bf16
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_has_amx():
         kernels |= {"amx_linear": amx_linear.load, "amx_attention": amx_attention.load}
     if cpu_has_avx512_bf16():
-        kernels |= {"bf16_linear": bf16_linear.load, "decode_layers": decode_layers.load,
+        kernels |= {"bf16_linear": bf16_linear.load, "step_layers": step_layers.load,
                     "bf16_attention": bf16_attention.load, "int4_linear": int4_linear.load}
     failed = []
     for name, load in kernels.items():
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_has_amx():
         print("amx_linear, amx_attention: not built (this CPU has no AMX)")
     if not cpu_has_avx512_bf16():
-        print("bf16_linear, decode_layers, bf16_attention, int4_linear: not built (this CPU has no AVX-512 BF16)")
+        print("bf16_linear, step_layers, bf16_attention, int4_linear: not built (this CPU has no AVX-512 BF16)")
     print(f"cache: {cache_root()}")
     if failed:  # not fatal: the runtime falls back to torch ops and says so; the test suite fails on it
         print(f"not built: {', '.join(failed)} (see the warnings above)")

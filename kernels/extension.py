@@ -43,7 +43,7 @@ def cpu_flags() -> str:
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """Whether the CPU has AVX-512 BF16 (vdpbf16ps): what kernels/bf16_linear.py and decode_layers.py need."""
+    """Whether the CPU has AVX-512 BF16 (vdpbf16ps): what kernels/bf16_linear.py and step_layers.py need."""
     return "avx512_bf16" in cpu_flags().split()
 
 

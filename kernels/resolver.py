@@ -51,7 +51,7 @@ class KernelSet:
     amx_linear: object | None  # kernels.amx_linear's module, or None
     onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where neither of the others runs
     bf16_linear: object | None = None  # kernels.bf16_linear's module (AVX-512 BF16, no AMX in use), or None
-    decode_layers: object | None = None  # kernels.decode_layers' module (with bf16_linear), or None
+    step_layers: object | None = None  # kernels.step_layers' module (with bf16_linear), or None
     prefill_attention: Callable | None = None  # chunks that start a sequence: kernels.bf16_attention's, or
     # None: SDPA within each chunk
 
@@ -74,8 +74,8 @@ class KernelSet:
              "chunk_attention": "torch-sdpa" if self.chunk_attention is None else
              "avx512bf16" if self.chunk_attention is self.prefill_attention else "amx",
              "prefill_attention": "torch-sdpa" if self.prefill_attention is None else "avx512bf16"}
-        if self.decode_layers is not None:
-            d["decode_layers"] = "cpp"  # a decode step's layers in one call, where the model's layers fit it
+        if self.step_layers is not None:
+            d["step_layers"] = "cpp"  # a step's layers in one call, where the model's layers fit it
         if dtype is not None:
             d["linear"] = self.linear_kernel(dtype)
         return d
@@ -123,7 +123,7 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         return KernelSet("torch", False, None, None, None, None, None, False)
     if backend == "triton":
         return _triton(dtype)
-    from . import amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention, decode_layers, layer_ops
+    from . import amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention, layer_ops, step_layers
 
     use_amx = _amx_wanted(amx)
 
@@ -150,7 +150,7 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
     if dtype == torch.bfloat16 and linear_amx is None and cpu_has_avx512_bf16():
         linear_bf16 = need(bf16_linear.load(), "AVX-512 BF16 linear")
         if linear_bf16 is not None and ops is not None and attention is not None:
-            fused = need(decode_layers.load(), "decode layers")
+            fused = need(step_layers.load(), "step layers")
     from infer.kernels.onednn import can_pack  # local: the probe runs a tiny matmul
 
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,

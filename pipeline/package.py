@@ -12,7 +12,7 @@ from pathlib import Path
 
 from infer.runtime.artifact import FORMAT, MANIFEST, sha256_file, verify_artifact, write_manifest
 
-from .stage import DONE, pause_point
+from .stage import DONE, link_file, pause_point
 
 ARTIFACT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
                   "chat_template.jinja", "model.safetensors.index.json",
@@ -33,11 +33,12 @@ def build_environment() -> dict:
 
 
 def package(checkpoint: Path, out: Path, manifest: dict) -> dict:
-    """Copies the model files into ``out`` and seals them with a manifest listing every file's hash."""
+    """Links the model files of ``checkpoint`` (a cache entry) into ``out`` and seals them with a manifest
+    listing every file's hash."""
     names = sorted({p.name for p in checkpoint.glob("*.safetensors")} |
                    {n for n in ARTIFACT_FILES if (checkpoint / n).is_file()})
     for name in names:
-        shutil.copyfile(checkpoint / name, out / name)
+        link_file(checkpoint / name, out / name)
     config = json.loads((out / "config.json").read_text())
     model = {
         "architecture": (config.get("architectures") or ["?"])[0],

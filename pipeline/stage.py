@@ -114,8 +114,13 @@ def link_tree(src: Path, dst: Path, with_manifest: bool = False) -> Path:
             continue
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(p, target)
-        except OSError:
-            shutil.copyfile(p, target)
+        link_file(p, target)
     return dst
+
+
+def link_file(src: Path, dst: Path) -> None:
+    """One file of a cache entry into dst: a hard link (entries are immutable), a copy where links fail."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)

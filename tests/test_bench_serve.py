@@ -28,7 +28,7 @@ class FakeServer:
     """An OpenAI-compatible /v1/completions that streams ``max_tokens`` one-word chunks: the first
     after ``ttft`` seconds, the rest ``itl`` apart; it logs each request's arrival and body."""
 
-    def __init__(self, name: str, ttft: float, itl: float):
+    def __init__(self, name: str, ttft: float, itl: float, version: dict | None = None):
         import uvicorn
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse, StreamingResponse
@@ -59,7 +59,13 @@ class FakeServer:
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
 
-        app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])])
+        async def version_route(request):
+            return JSONResponse(version)
+
+        routes = [Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+        if version is not None:  # what infer-run's /version says; a server without one answers 404
+            routes.append(Route("/version", version_route))
+        app = Starlette(routes=routes)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -79,7 +85,8 @@ class FakeServer:
 
 @pytest.fixture
 def fakes():
-    fast, slow = FakeServer("fast", ttft=0.02, itl=0.005), FakeServer("slow", ttft=0.25, itl=0.03)
+    fast = FakeServer("fast", ttft=0.02, itl=0.005, version={"version": "0.1.0", "kernels": {"linear": "fake"}})
+    slow = FakeServer("slow", ttft=0.25, itl=0.03)
     yield fast, slow
     fast.stop()
     slow.stop()
@@ -97,6 +104,9 @@ def test_compare_mode_runs_one_workload_against_each_target(fakes, tmp_path, cap
 
     result = json.loads(out.read_text())
     assert list(result["targets"]) == ["fast", "slow"]
+    # which machine and which kernels: each server's /version as it answered, None where it has none
+    assert result["servers"] == {"fast": {"version": "0.1.0", "kernels": {"linear": "fake"}}, "slow": None}
+    assert result["host"]["cpu"] and result["host"]["cores"] >= 1 and isinstance(result["host"]["amx"], list)
     for name, entry in result["targets"].items():
         missing = [f for f in VLLM_FIELDS if f not in entry]
         assert not missing, f"{name}: {missing}"

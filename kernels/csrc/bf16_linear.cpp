@@ -121,7 +121,7 @@ bool available() { return false; }
 
 #endif
 
-#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: a prompt chunk's matmul must not stall a server's event loop
   m.def("bf16_linear", &bf16_linear, "bfloat16 linear on AVX-512 BF16 over a packed weight (CPU)",

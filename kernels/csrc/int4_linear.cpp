@@ -168,7 +168,7 @@ bool available() { return false; }
 
 #endif
 
-#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernel alone
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "int4 grouped-weight linear on AVX-512 BF16 over a packed weight (CPU)",
         py::call_guard<py::gil_scoped_release>());

@@ -226,7 +226,7 @@ torch::Tensor silu_mul(torch::Tensor x) {
   return out;
 }
 
-#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the fused gate/up rows (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over rows (CPU)");

@@ -471,7 +471,7 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
   }
 }
 
-#ifndef INFER_NO_MODULE  // decode_layers.cpp includes this file for its kernels alone
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: the server's event loop goes on while a layer attends
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",

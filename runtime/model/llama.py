@@ -203,7 +203,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
-        self.fused_decode = None  # runtime/model/fused_decode.py's, where every layer fits it: decode steps in C++
+        self.fused_step = None  # runtime/model/fused_step.py's, where every layer fits it: steps in C++
 
     @property
     def dtype(self) -> torch.dtype:
@@ -216,8 +216,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden] (normed)."""
         x, residual = self.embed_tokens(input_ids), None
-        fused = self.fused_decode(x, positions, ctx) if self.fused_decode is not None else None
-        if fused is not None:  # a decode-only step, every layer in one C++ call
+        fused = self.fused_step(x, positions, ctx) if self.fused_step is not None else None
+        if fused is not None:  # every layer in one C++ call
             return self.norm(*fused)[0]
         rope = self.rotary.tables(positions, x.dtype)
         for layer in self.layers:

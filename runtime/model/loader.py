@@ -165,10 +165,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
         pack_linears(model, kernels.amx_linear, kernels.onednn_linear,
                      (lambda i, o, runs: tuning.linear(i, o, dtype, runs)) if tuning is not None else None,
                      kernels.bf16_linear)
-    if kernels.decode_layers is not None:
-        from .fused_decode import FusedDecode
+    if kernels.step_layers is not None:
+        from .fused_step import FusedStep
 
-        if FusedDecode.fits(model):
-            model.fused_decode = FusedDecode(model, kernels)
+        if FusedStep.fits(model):
+            model.fused_step = FusedStep(model, kernels)
     model.kernels = kernels
     return model.eval().requires_grad_(False)

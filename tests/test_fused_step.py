@@ -1,66 +1,85 @@
-"""A decode step's layers in one C++ call (runtime/model/fused_decode.py) against the model's own
-Python loop over the same kernels: the same tokens and logprobs, steps of one and of several decodes."""
+"""A step's layers in one C++ call (runtime/model/fused_step.py) against the model's own Python loop
+over the same kernels: the same tokens and logprobs, for decodes, prompt chunks and steps of both."""
 
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
 
-from infer.kernels import decode_layers
+from infer.kernels import step_layers
 from infer.kernels.resolver import cpu_has_avx512_bf16
 from infer.runtime import LLM, SamplingParams
 
-FUSED = decode_layers.load()
+FUSED = step_layers.load()
 
 
-def test_the_fused_decode_kernel_is_built_wherever_the_cpu_has_avx512_bf16():
+def test_the_fused_step_kernel_is_built_wherever_the_cpu_has_avx512_bf16():
     assert (FUSED is not None) == cpu_has_avx512_bf16()
 
 
 class _Counting:
-    def __init__(self, fused):
-        self.fused, self.steps = fused, 0
+    """Wraps a FusedStep: counts the steps it took, by kind (decodes only, prompt chunks, both)."""
 
-    def __call__(self, *args):
-        out = self.fused(*args)
-        self.steps += out is not None
+    def __init__(self, fused):
+        self.fused, self.kinds = fused, Counter()
+
+    def __call__(self, x, positions, ctx):
+        out = self.fused(x, positions, ctx)
+        if out is not None:
+            cached = any(c.cached.sum() > 0 for c in ctx.in_place)
+            self.kinds["decodes" if ctx.decodes_only else "mixed" if len(ctx.decode_rows) else "prompts"] += 1
+            self.kinds["after cached tokens"] += cached
         return out
 
 
+def _two_engines(artifact, **engine_args):
+    """The same engine twice: one stepping through the fused C++ call, one through the Python layer loop."""
+    # amx=False: on an AMX host the linears would be AMX tiles, which the fused step does not take
+    fused = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=False, **engine_args)
+    plain = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=False, **engine_args)
+    assert fused.engine.model.fused_step is not None, fused.engine.kernels.describe(torch.bfloat16)
+    plain.engine.model.fused_step = None
+    counting = fused.engine.model.fused_step = _Counting(fused.engine.model.fused_step)
+    return fused, plain, counting
+
+
+def _same_bits(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        # the same kernels on the same inputs: the same bits, for sampled and prompt tokens alike
+        assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs) == len(g.prompt_token_ids)
+        assert [None if p is None else p["logprob"] for p in g.prompt_logprobs] == \
+            [None if p is None else p["logprob"] for p in w.prompt_logprobs]
+
+
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
-def test_fused_decode_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact):
+def test_fused_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact):
+    """Prompt-only, decode-only and mixed steps (chunked prefill with decodes riding along), prompts
+    after cached tokens (a shared prefix), batches of one and of several."""
     from pydoc_data.topics import topics
 
-    # no prefix cache: every run computes its prompts afresh, in one chunk each, the same way
-    # amx=False: on an AMX host the linears would be AMX tiles, which the fused step does not take
-    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", enable_prefix_caching=False,
-              amx=False)
-    model = llm.engine.model
-    assert model.fused_decode is not None, llm.engine.kernels.describe(torch.bfloat16)
+    # a small token budget: long prompts go in chunks that share steps with the other sequences' decodes
+    fused, plain, counting = _two_engines(embedded_artifact, max_num_batched_tokens=96, prefill_batch_tokens=0)
     text = "".join(topics.values())
-    starts = [random.randrange(len(text) - 2000) for _ in range(3)]
-    prompts = [llm.tokenizer.encode(text[s:s + 2000])[:random.randint(20, 120)] for s in starts]
-    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-    fused = model.fused_decode
-    counting = model.fused_decode = _Counting(fused)
-    together = llm.generate(prompts, params)  # decode steps of 3 sequences at once
-    alone = llm.generate(prompts[:1], params)[0]  # and of one
-    assert counting.steps >= 2 * 15, counting.steps  # every decode step after each prompt went fused
-    model.fused_decode = None
-    plain = llm.generate(prompts, params)
-    model.fused_decode = fused
-    for got, want in zip([*together, alone], [*plain, plain[0]]):
-        assert got.token_ids == want.token_ids
-        diffs = [abs(a["logprob"] - b["logprob"]) for a, b in zip(got.logprobs, want.logprobs)]
-        assert max(diffs) == 0, diffs  # the same kernels on the same inputs: the same bits
+    starts = [random.randrange(len(text) - 4000) for _ in range(3)]
+    prompts = [fused.tokenizer.encode(text[s:s + 4000])[:random.randint(20, 300)] for s in starts]
+    shared = prompts[0][:64]  # a prefix the cache holds after the first batch
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    for batch in (prompts, prompts[:1], [shared + p[:40] for p in prompts[1:]]):
+        _same_bits(fused.generate(batch, params), plain.generate(batch, params))
+    kinds = counting.kinds
+    assert kinds["decodes"] >= 2 * 15 and kinds["prompts"] >= 3 and kinds["mixed"] >= 2, kinds
+    assert kinds["after cached tokens"] >= 1, kinds
 
 
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
-def test_fused_decode_with_qkv_bias_matches_the_python_loop(tmp_path, embedded_artifact, cache_dir):
+def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_artifact, cache_dir):
     """Qwen2's q/k/v carry a bias: the fused step adds it where the packed linear does."""
     import shutil
 
@@ -85,15 +104,15 @@ def test_fused_decode_with_qkv_bias_matches_the_python_loop(tmp_path, embedded_a
                                      f"cache_dir={cache_dir}"])).artifact
     llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False,
               amx=False)
-    fused = llm.engine.model.fused_decode
+    fused = llm.engine.model.fused_step
     assert fused is not None and llm.engine.model.layers[0].self_attn.qkv_proj.bias is not None
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    counting = llm.engine.model.fused_decode = _Counting(fused)
+    counting = llm.engine.model.fused_step = _Counting(fused)
     got = llm.generate(prompts, params)
-    llm.engine.model.fused_decode = None
+    llm.engine.model.fused_step = None
     want = llm.generate(prompts, params)
-    assert counting.steps >= 11
+    assert counting.kinds["prompts"] >= 1 and counting.kinds["decodes"] >= 11, counting.kinds
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]
@@ -102,7 +121,7 @@ def test_fused_decode_with_qkv_bias_matches_the_python_loop(tmp_path, embedded_a
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
 @pytest.mark.parametrize("recipe", ["smollm2_135m_gptq", "smollm2_135m_gptq_g32_asym"])
-def test_fused_decode_of_a_w4a16_model_matches_the_python_loop(tmp_path, embedded_artifact, cache_dir, recipe):
+def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_artifact, cache_dir, recipe):
     """W4A16 (int4 groups of 64, symmetric; of 32 with zero points) of a Qwen2 with q/k/v biases, built by
     the shipped recipes: the fused step runs the int4 kernel where the layer loop runs Int4Avx512Linear,
     and gives the same bits."""
@@ -130,15 +149,15 @@ def test_fused_decode_of_a_w4a16_model_matches_the_python_loop(tmp_path, embedde
     llm = LLM(artifact, kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False, amx=False)
     model = llm.engine.model
     assert set(quantized_modules(model).values()) == {"cpu-int4-avx512"} and model.dtype == torch.bfloat16
-    fused = model.fused_decode
+    fused = model.fused_step
     assert fused is not None
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
-    counting = model.fused_decode = _Counting(fused)
+    counting = model.fused_step = _Counting(fused)
     got = llm.generate(prompts, params)
-    model.fused_decode = None
+    model.fused_step = None
     want = llm.generate(prompts, params)
-    assert counting.steps >= 11
+    assert counting.kinds["prompts"] >= 1 and counting.kinds["decodes"] >= 11, counting.kinds
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]

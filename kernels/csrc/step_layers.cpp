@@ -1,12 +1,13 @@
-// Every decoder layer of a decode step, in one call: the same kernels the model calls one by one
-// (layer_ops, paged attention, the AVX-512 BF16 linears, bfloat16 or int4), driven from C++.
+// Every decoder layer of a step, in one call: the same kernels the model calls one by one (layer_ops,
+// paged decode attention, the AVX-512 BF16 chunk attention and linears, bfloat16 or int4), from C++.
 //
 // At batch 1 a step streams 270 MB of weights in about 9 ms; called from Python, the ~13 kernel
 // calls a layer (each a module call, a pybind crossing and a few tensor views) added about 3 ms more
 // on a Zen 4 host. Here a layer is a dozen direct C++ calls. This file includes the kernels' own
 // sources (their modules switched off), so there is one copy of each kernel, each compiled as it is
 // on its own: no fast-math and no contraction (layer ops round exactly where torch rounds), the
-// attention kernel alone with fast-math, so a fused step computes the same bits as the Python loop.
+// decode attention alone with fast-math, the chunk attention with GCC's default contraction, so a
+// fused step computes the same bits as the Python loop.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -21,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "chunk_checks.h"
 #include "float_storage.h"
 #include "simd_math.h"
 #include "work_split.h"
@@ -33,6 +35,12 @@ namespace layer_ops {
 #pragma GCC optimize("fast-math")  // as paged_attention.cpp is built on its own (kernels/cpu_attention.py)
 namespace attention {
 #include "paged_attention.cpp"
+}
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")  // as bf16_attention.cpp is built on its own (GCC's default)
+namespace chunk {
+#include "bf16_attention.cpp"
 }
 #pragma GCC pop_options
 namespace linear {
@@ -54,22 +62,49 @@ torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t
   return int4::int4_linear(x, w[0], w[1], offsets, n, bias);
 }
 
-// x: the step's embeddings [B, H] bfloat16 (read only); returns the last layer's output, and fills
-// residual ([B, H], like x) with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
-// packed by kernels/bf16_linear.py or kernels/int4_linear.py. kv_cache [layers, 2, blocks, block_size, kv_heads, d]; slots [B];
-// block_tables [B, W]; context_lens [B]; positions [B]; cos, sin: float32 [positions, d].
-torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,
-                            torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor block_tables,
-                            torch::Tensor context_lens, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
-                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {
+// One layer's attention over the paged cache, as runtime/engine/attention.py's PagedAttention runs it
+// with the C++ kernels: a decode-only step (no chunks) in one decode call over every row; otherwise
+// the prompt chunks by the AVX-512 BF16 chunk kernel and the decode rows (gathered) by the decode one.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& chunk_starts, const torch::Tensor& chunk_lengths,
+                     const torch::Tensor& chunk_cached, const torch::Tensor& chunk_tables,
+                     const torch::Tensor& decode_rows, const torch::Tensor& block_tables,
+                     const torch::Tensor& context_lens, double scale) {
+  if (chunk_starts.numel() == 0)
+    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+  torch::Tensor out = torch::empty(q.sizes(), q.options());
+  chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables, scale);
+  if (decode_rows.numel() > 0) {
+    torch::Tensor od = attention::paged_decode_attention(q.index_select(0, decode_rows), k_cache, v_cache,
+                                                         block_tables, context_lens, scale);
+    out.index_copy_(0, decode_rows, od);
+  }
+  return out;
+}
+
+// x: the step's embeddings [T, H] bfloat16 (read only); returns the last layer's output, and fills
+// residual ([T, H], like x) with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
+// packed by kernels/bf16_linear.py or kernels/int4_linear.py. kv_cache [layers, 2, blocks, block_size, kv_heads, d];
+// slots, positions [T]; cos, sin: float32 [positions, d]. Prompt chunks (none: every row is a decode):
+// chunk_starts, chunk_lengths, chunk_cached [C] (first row, rows this step, tokens cached before),
+// chunk_tables [C, W]. Decodes: decode_rows [D] (their rows; ignored without chunks), block_tables
+// [D, W'], context_lens [D].
+torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,
+                          torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
+                          torch::Tensor sin, torch::Tensor chunk_starts, torch::Tensor chunk_lengths,
+                          torch::Tensor chunk_cached, torch::Tensor chunk_tables, torch::Tensor decode_rows,
+                          torch::Tensor block_tables, torch::Tensor context_lens, int64_t heads, int64_t kv_heads,
+                          int64_t head_dim, int64_t intermediate, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
-              "decode_layers: x must be contiguous [B, H] bfloat16");
+              "step_layers: x must be contiguous [T, H] bfloat16");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
-              "decode_layers: residual must be like x");
+              "step_layers: residual must be like x");
   const int64_t layers = static_cast<int64_t>(weights.size()) / WEIGHTS_PER_LAYER;
   TORCH_CHECK(layers * WEIGHTS_PER_LAYER == static_cast<int64_t>(weights.size()) && kv_cache.dim() == 6 &&
                   kv_cache.size(0) == layers,
-              "decode_layers: ", WEIGHTS_PER_LAYER, " weights a layer and a KV cache of as many layers");
+              "step_layers: ", WEIGHTS_PER_LAYER, " weights a layer and a KV cache of as many layers");
+  TORCH_CHECK(chunk_starts.numel() > 0 || block_tables.size(0) == x.size(0),
+              "step_layers: a step without prompt chunks must have every row a decode");
   const int64_t rows = x.size(0), hidden = x.size(1);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -92,7 +127,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector
     torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
     torch::Tensor k_cache = kv_cache.select(0, l).select(0, 0), v_cache = kv_cache.select(0, l).select(0, 1);
     attention::store_kv_(k_cache, v_cache, slots, k, v);
-    torch::Tensor attn = attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+    torch::Tensor attn = attend(q, k_cache, v_cache, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
+                                decode_rows, block_tables, context_lens, scale);
     torch::Tensor o = run_linear(attn.view({rows, q_size}), lin + LINEAR_SLOTS, hidden, c10::nullopt);
     layer_ops::add_rms_norm_(o, residual, w[2], eps);
     torch::Tensor act = layer_ops::silu_mul(run_linear(o, lin + 2 * LINEAR_SLOTS, 2 * intermediate, c10::nullopt));
@@ -103,7 +139,8 @@ torch::Tensor decode_layers(torch::Tensor x, torch::Tensor residual, std::vector
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
-  m.def("decode_layers", &decode_layers, "every decoder layer of a decode-only step (CPU, bfloat16)",
+  m.def("step_layers", &step_layers, "every decoder layer of a step: prompt chunks and decodes (CPU, bfloat16)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("available", &linear::available, "whether the AVX-512 BF16 linears are built in");
+  m.def("available", [] { return linear::available() && chunk::available(); },
+        "whether the AVX-512 BF16 linears and chunk attention are built in");
 }

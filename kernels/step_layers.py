@@ -1,0 +1,24 @@
+"""Every decoder layer of a step in one C++ call (kernels/csrc/step_layers.cpp), for bfloat16 models
+whose linears run on the AVX-512 BF16 kernel (or the int4 one).
+
+It calls the same kernels the model calls layer by layer (layer ops, the paged decode attention,
+the AVX-512 BF16 chunk attention and the KV store, the linears), so outputs are the same; what it
+removes is Python between them: on a Zen 4 host, batch-1 decode spent about 3 ms a step outside
+the kernels, a 256-token prompt step about 2 ms. ``load()`` gives the module
+where it can run, else None (the model keeps its Python loop).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .extension import build, cpu_has_avx512_bf16
+
+
+@lru_cache(maxsize=1)
+def load() -> object | None:
+    if not cpu_has_avx512_bf16():
+        return None
+    # layer ops' flags: they round exactly where torch rounds (the attention part sets its own fast-math)
+    module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off"])
+    return module if module is not None and module.available() else None
