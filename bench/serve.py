@@ -490,13 +490,6 @@ def server_info(http: httpx.Client, url: str) -> dict | None:
         return None
 
 
-def host() -> dict:
-    """The machine the client ran on (the servers' too, when they are local): CPU, AMX, cores."""
-    from .throughput import host_info
-
-    return host_info()
-
-
 def describe_workload(args, items: list[dict], vocab: int | None) -> str:
     if args.dataset_name == "jsonl":
         prompts = f"prompts from {args.dataset}"
@@ -541,7 +534,10 @@ def main(argv=None) -> int:
               "prefixes answers the later rounds' from its cache", file=sys.stderr)
     offsets = arrival_offsets(len(items), args.rate, args.seed)
     config = {k: (None if v == math.inf else v) for k, v in vars(args).items() if k != "api_key"}
-    where = {"host": host(), "servers": servers}  # which machine and which kernels the figures come from
+    from .throughput import host_info  # local: it imports torch, which the client needs for nothing else
+
+    # which machine (the client's; the servers' too when they are local) and which kernels the figures come from
+    where = {"host": host_info(), "servers": servers}
     if not args.target:
         return report_one(args, items, offsets, models[""], config, where)
 

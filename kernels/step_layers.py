@@ -19,6 +19,6 @@ from .extension import build, cpu_has_avx512_bf16
 def load() -> object | None:
     if not cpu_has_avx512_bf16():
         return None
-    # layer ops' flags: they round exactly where torch rounds (the attention part sets its own fast-math)
+    # layer ops' flags: they round exactly where torch rounds (the attention parts set their own, as built alone)
     module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off"])
     return module if module is not None and module.available() else None

@@ -79,6 +79,22 @@ def test_fused_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact
 
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
+def test_a_step_without_chunks_whose_rows_are_not_all_decodes_is_refused(embedded_artifact):
+    """The C++ step reads a chunk-less step as decodes only: rows without a block table would attend to
+    nothing, so it refuses them by name rather than compute garbage."""
+    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", amx=False)
+    fused, cfg, kv_cache = llm.engine.model.fused_step, llm.engine.model.config, llm.engine.runner.kv_cache
+    x = torch.zeros(3, cfg.hidden_size, dtype=torch.bfloat16)
+    long = dict(dtype=torch.long)
+    with pytest.raises(RuntimeError, match="every row a decode"):
+        FUSED.step_layers(x, torch.empty_like(x), fused.weights, kv_cache, torch.zeros(3, **long),
+                          torch.zeros(3, **long), fused.rotary.cos, fused.rotary.sin, *fused.no_chunks,
+                          torch.arange(2), torch.zeros(2, 1, **long), torch.ones(2, **long), cfg.num_heads,
+                          cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
+                                          "which every other engine test covers")
 def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_artifact, cache_dir):
     """Qwen2's q/k/v carry a bias: the fused step adds it where the packed linear does."""
     import shutil
