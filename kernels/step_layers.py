@@ -1,8 +1,8 @@
 """Every decoder layer of a step in one C++ call (kernels/csrc/step_layers.cpp), for bfloat16 models
-whose linears run on the AVX-512 BF16 kernel (or the int4 one).
+whose linears run on AMX tiles, on the AVX-512 BF16 kernel, or on the int4 one.
 
 It calls the same kernels the model calls layer by layer (layer ops, the paged decode attention,
-the AVX-512 BF16 chunk attention and the KV store, the linears), so outputs are the same; what it
+the chunk attention (AMX tiles' or AVX-512 BF16's) and the KV store, the linears), so outputs are the same; what it
 removes is Python between them: on a Zen 4 host, batch-1 decode spent about 3 ms a step outside
 the kernels, a 256-token prompt step about 2 ms. ``load()`` gives the module
 where it can run, else None (the model keeps its Python loop).
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import torch
+
 from .extension import build, cpu_has_avx512_bf16
 
 
@@ -19,6 +21,8 @@ from .extension import build, cpu_has_avx512_bf16
 def load() -> object | None:
     if not cpu_has_avx512_bf16():
         return None
-    # layer ops' flags: they round exactly where torch rounds (the attention parts set their own, as built alone)
-    module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off"])
+    # layer ops' flags: they round exactly where torch rounds (the attention parts set their own, as built alone);
+    # AMX's where the CPU has it, for the AMX linears (used only where the resolver put the model's linears on them)
+    amx = ["-mamx-tile", "-mamx-bf16"] if torch.cpu._is_amx_tile_supported() else []
+    module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off", *amx])
     return module if module is not None and module.available() else None

@@ -191,8 +191,9 @@ def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_
     The kernels compute attention differently from torch's SDPA (bfloat16 probabilities, another
     order of additions), so a bfloat16 SDPA pass is no reference for them: float32 is. Measured over
     4 texts of 300 tokens: mean |delta logprob| 0.034-0.041 for the kernels, 0.037-0.042 for torch.
-    Where the linears and the attention are the AVX-512 BF16 kernels, every row is computed the
-    same way whatever chunk it is in: the chunked logprobs equal the whole-prompt ones bit for bit."""
+    Where the linears and the attention are both AVX-512 BF16's kernels, or both AMX tiles', every
+    row is computed the same way whatever chunk it is in: the chunked logprobs equal the whole-prompt
+    ones bit for bit."""
     import random
 
     from pydoc_data.topics import topics
@@ -221,5 +222,5 @@ def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_
     assert 0 < torch_mean < 0.1  # bfloat16 against float32, summed over 30 layers
     assert diffs["cpp", 32].mean() <= 1.5 * torch_mean + 0.01, diffs
     assert diffs["cpp", 32].max() <= 2 * diffs["torch", 32].max() + 0.05, diffs
-    if described["chunk_attention"] == described["linear"] == "avx512bf16":
+    if described["chunk_attention"] == described["linear"] in ("avx512bf16", "amx"):
         assert torch.equal(logprobs["cpp", 32], logprobs["cpp", None])

@@ -9,8 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
+from conftest import AMX_MODES
 from infer.kernels import step_layers
-from infer.kernels.resolver import cpu_has_avx512_bf16
+from infer.kernels.resolver import cpu_has_amx, cpu_has_avx512_bf16
 from infer.runtime import LLM, SamplingParams
 
 FUSED = step_layers.load()
@@ -18,6 +19,8 @@ FUSED = step_layers.load()
 
 def test_the_fused_step_kernel_is_built_wherever_the_cpu_has_avx512_bf16():
     assert (FUSED is not None) == cpu_has_avx512_bf16()
+    # AMX's linears and chunk attention are built in where the CPU has AMX, and only there
+    assert FUSED is None or FUSED.has_amx() == cpu_has_amx()
 
 
 class _Counting:
@@ -35,12 +38,15 @@ class _Counting:
         return out
 
 
-def _two_engines(artifact, **engine_args):
-    """The same engine twice: one stepping through the fused C++ call, one through the Python layer loop."""
-    # amx=False: on an AMX host the linears would be AMX tiles, which the fused step does not take
-    fused = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=False, **engine_args)
-    plain = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=False, **engine_args)
-    assert fused.engine.model.fused_step is not None, fused.engine.kernels.describe(torch.bfloat16)
+def _two_engines(artifact, amx, **engine_args):
+    """The same engine twice: one stepping through the fused C++ call, one through the Python layer loop;
+    with ``amx`` their linears and chunk attention run on AMX tiles, else on the AVX-512 BF16 kernels."""
+    fused = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=amx, **engine_args)
+    plain = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=amx, **engine_args)
+    kernels = fused.engine.kernels.describe(torch.bfloat16)
+    assert fused.engine.model.fused_step is not None, kernels
+    want = "amx" if amx else "avx512bf16"
+    assert kernels["linear"] == kernels["chunk_attention"] == kernels["prefill_attention"] == want, kernels
     plain.engine.model.fused_step = None
     counting = fused.engine.model.fused_step = _Counting(fused.engine.model.fused_step)
     return fused, plain, counting
@@ -58,13 +64,14 @@ def _same_bits(got, want):
 
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
-def test_fused_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact):
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_fused_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact, amx):
     """Prompt-only, decode-only and mixed steps (chunked prefill with decodes riding along), prompts
     after cached tokens (a shared prefix), batches of one and of several."""
     from pydoc_data.topics import topics
 
     # a small token budget: long prompts go in chunks that share steps with the other sequences' decodes
-    fused, plain, counting = _two_engines(embedded_artifact, max_num_batched_tokens=96, prefill_batch_tokens=0)
+    fused, plain, counting = _two_engines(embedded_artifact, amx, max_num_batched_tokens=96, prefill_batch_tokens=0)
     text = "".join(topics.values())
     starts = [random.randrange(len(text) - 4000) for _ in range(3)]
     prompts = [fused.tokenizer.encode(text[s:s + 4000])[:random.randint(20, 300)] for s in starts]
@@ -89,14 +96,16 @@ def test_a_step_without_chunks_whose_rows_are_not_all_decodes_is_refused(embedde
     with pytest.raises(RuntimeError, match="every row a decode"):
         FUSED.step_layers(x, torch.empty_like(x), fused.weights, kv_cache, torch.zeros(3, **long),
                           torch.zeros(3, **long), fused.rotary.cos, fused.rotary.sin, *fused.no_chunks,
-                          torch.arange(2), torch.zeros(2, 1, **long), torch.ones(2, **long), cfg.num_heads,
+                          torch.arange(2), torch.zeros(2, 1, **long), torch.ones(2, **long), False, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
 
 
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
-def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_artifact, cache_dir):
-    """Qwen2's q/k/v carry a bias: the fused step adds it where the packed linear does."""
+@pytest.mark.parametrize("amx", AMX_MODES)
+def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_artifact, cache_dir, amx):
+    """Qwen2's q/k/v carry a bias: the fused step adds it where the packed linear does (float32 on the
+    AVX-512 BF16 kernel, bfloat16 on AMX tiles)."""
     import shutil
 
     import transformers
@@ -119,9 +128,9 @@ def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_arti
                                      "eval.enabled=false", "artifact.name=tiny-qwen2", f"output_dir={tmp_path / 'out'}",
                                      f"cache_dir={cache_dir}"])).artifact
     llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False,
-              amx=False)
-    fused = llm.engine.model.fused_step
-    assert fused is not None and llm.engine.model.layers[0].self_attn.qkv_proj.bias is not None
+              amx=amx)
+    fused, qkv = llm.engine.model.fused_step, llm.engine.model.layers[0].self_attn.qkv_proj
+    assert fused is not None and qkv.bias is not None and qkv.kernel == ("amx" if amx else "avx512bf16")
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
     counting = llm.engine.model.fused_step = _Counting(fused)
@@ -136,8 +145,9 @@ def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_arti
 
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX-512 BF16: the model runs its Python layer loop, "
                                           "which every other engine test covers")
+@pytest.mark.parametrize("amx", AMX_MODES)
 @pytest.mark.parametrize("recipe", ["smollm2_135m_gptq", "smollm2_135m_gptq_g32_asym"])
-def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_artifact, cache_dir, recipe):
+def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_artifact, cache_dir, recipe, amx):
     """W4A16 (int4 groups of 64, symmetric; of 32 with zero points) of a Qwen2 with q/k/v biases, built by
     the shipped recipes: the fused step runs the int4 kernel where the layer loop runs Int4Avx512Linear,
     and gives the same bits."""
@@ -162,7 +172,7 @@ def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_a
         shutil.copyfile(embedded_artifact / name, tmp_path / "src" / name)
     artifact = build_recipe([f"recipe={recipe}", f"model.source={tmp_path / 'src'}", "quant.ignore=[lm_head]",
                              "tune.enabled=false", "eval.enabled=false", *TINY_CALIB], tmp_path / "out", cache_dir).artifact
-    llm = LLM(artifact, kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False, amx=False)
+    llm = LLM(artifact, kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False, amx=amx)
     model = llm.engine.model
     assert set(quantized_modules(model).values()) == {"cpu-int4-avx512"} and model.dtype == torch.bfloat16
     fused = model.fused_step

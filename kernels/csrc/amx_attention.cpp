@@ -190,7 +190,9 @@ void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   });
 }
 
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable_amx", &infer::enable_amx, "request AMX tile permission for this process");
   m.def("chunk_attention", &chunk_attention, "attention of prompt chunks after cached tokens on AMX tiles (CPU)");
 }
+#endif

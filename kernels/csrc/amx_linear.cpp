@@ -140,7 +140,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
   return out;
 }
 
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable_amx", &infer::enable_amx, "request AMX tile permission for this process");
   m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T + b on AMX tiles (weights packed by amx_linear.py)");
 }
+#endif

@@ -27,6 +27,11 @@
 
 namespace {
 
+// How far ahead of its loads a tile prefetches its block: the hardware prefetcher alone kept a batch-1 sweep
+// of the embedded model's 121 linears at 0.70 of a `sum`'s read bandwidth on a 2-core Xeon with AMX; 512 B ahead
+// gave 0.83, 1 KiB 0.86, 2 KiB 0.91, 4 KiB 0.86 (2 threads, rounds alternated).
+constexpr int64_t kPrefetchBytes = 2048;
+
 inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
 }
@@ -44,6 +49,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
   }
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* w = block + p * LANES * 32;
+    for (int j = 0; j < LANES; ++j) _mm_prefetch(reinterpret_cast<const char*>(w + 32 * j) + kPrefetchBytes, _MM_HINT_T0);
     __m512bh wv[LANES];
     for (int j = 0; j < LANES; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
     for (int r = 0; r < ROWS; ++r) {

@@ -39,6 +39,11 @@ struct Args {
   int64_t m, n, k, groups, group_words;
 };
 
+// How far ahead of its loads a tile prefetches its block (as bf16_linear.cpp does): a batch-1 sweep of
+// the embedded model's 120 decoder shapes in int4 went from 0.63 of a `sum`'s read bandwidth to 0.68
+// (512 B ahead), 0.72 (1 KiB), 0.77 (2 KiB) on a 2-core Xeon with AMX (rounds alternated).
+constexpr int64_t kPrefetchBytes = 2048;
+
 inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
 }
@@ -57,6 +62,8 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
     __m512 acc[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
       const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
       for (int j = 0; j < 4; ++j) {
         // (v >> 4j) & 0x000F000F | 0x43004300: truth table 0xEA is (A & B) | C

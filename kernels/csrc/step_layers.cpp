@@ -1,5 +1,5 @@
 // Every decoder layer of a step, in one call: the same kernels the model calls one by one (layer_ops,
-// paged decode attention, the AVX-512 BF16 chunk attention and linears, bfloat16 or int4), from C++.
+// paged decode attention, the chunk attention and linears on AMX tiles or AVX-512 BF16, int4 linears), from C++.
 //
 // At batch 1 a step streams 270 MB of weights in about 9 ms; called from Python, the ~13 kernel
 // calls a layer (each a module call, a pybind crossing and a few tensor views) added about 3 ms more
@@ -49,13 +49,38 @@ namespace linear {
 namespace int4 {
 #include "int4_linear.cpp"
 }
+// AMX tiles where the build targets them (kernels/step_layers.py adds the flags on a CPU with AMX)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+namespace amx {
+#include "amx_linear.cpp"
+}
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")  // as amx_attention.cpp is built on its own (GCC's default)
+namespace amx_chunk {
+#include "amx_attention.cpp"
+}
+#pragma GCC pop_options
+constexpr bool kHasAmx = true;
+#else
+constexpr bool kHasAmx = false;
+#endif
 
 // input norm, qkv bias (or empty), post norm, then qkv, o, gate_up, down as LINEAR_SLOTS tensors each
 constexpr int WEIGHTS_PER_LAYER = 3 + 4 * 3;
 constexpr int LINEAR_SLOTS = 3;  // bfloat16: packed, empty, empty; int4: packed, scales, offsets (or empty)
 
-// A linear as the model runs it: the AVX-512 BF16 kernel for a bfloat16 weight, the int4 one for int32 words.
+// A linear as the model runs it: AMX tiles for a bfloat16 weight packed as tiles ([N/16, K/32, 16, 32], bias
+// bfloat16), the AVX-512 BF16 kernel for one packed in column blocks ([blocks, K/2, width, 2], bias float32),
+// the int4 one for int32 words.
 torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
+  if (w[0].scalar_type() == at::kBFloat16 && w[0].dim() == 4 && w[0].size(3) != 2) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return amx::amx_linear(x, w[0], bias);
+#else
+    TORCH_CHECK(false, "step_layers: an AMX-packed weight, but this build has no AMX (kernels/step_layers.py)");
+#endif
+  }
   if (w[0].scalar_type() == at::kBFloat16) return linear::bf16_linear(x, w[0], n, bias);
   c10::optional<torch::Tensor> offsets;
   if (w[2].numel() > 0) offsets = w[2];
@@ -64,16 +89,26 @@ torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t
 
 // One layer's attention over the paged cache, as runtime/engine/attention.py's PagedAttention runs it
 // with the C++ kernels: a decode-only step (no chunks) in one decode call over every row; otherwise
-// the prompt chunks by the AVX-512 BF16 chunk kernel and the decode rows (gathered) by the decode one.
+// the prompt chunks by the chunk kernel (AMX tiles' where amx_chunks, else AVX-512 BF16's) and the
+// decode rows (gathered) by the decode one.
 torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      const torch::Tensor& chunk_starts, const torch::Tensor& chunk_lengths,
                      const torch::Tensor& chunk_cached, const torch::Tensor& chunk_tables,
                      const torch::Tensor& decode_rows, const torch::Tensor& block_tables,
-                     const torch::Tensor& context_lens, double scale) {
+                     const torch::Tensor& context_lens, double scale, bool amx_chunks) {
   if (chunk_starts.numel() == 0)
     return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
   torch::Tensor out = torch::empty(q.sizes(), q.options());
-  chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables, scale);
+  if (amx_chunks) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    amx_chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
+                               scale);
+#else
+    TORCH_CHECK(false, "step_layers: amx_chunks, but this build has no AMX (kernels/step_layers.py)");
+#endif
+  } else {
+    chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables, scale);
+  }
   if (decode_rows.numel() > 0) {
     torch::Tensor od = attention::paged_decode_attention(q.index_select(0, decode_rows), k_cache, v_cache,
                                                          block_tables, context_lens, scale);
@@ -84,17 +119,18 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
 
 // x: the step's embeddings [T, H] bfloat16 (read only); returns the last layer's output, and fills
 // residual ([T, H], like x) with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
-// packed by kernels/bf16_linear.py or kernels/int4_linear.py. kv_cache [layers, 2, blocks, block_size, kv_heads, d];
+// packed by kernels/amx_linear.py, bf16_linear.py or int4_linear.py.
+// kv_cache [layers, 2, blocks, block_size, kv_heads, d];
 // slots, positions [T]; cos, sin: float32 [positions, d]. Prompt chunks (none: every row is a decode):
 // chunk_starts, chunk_lengths, chunk_cached [C] (first row, rows this step, tokens cached before),
 // chunk_tables [C, W]. Decodes: decode_rows [D] (their rows; ignored without chunks), block_tables
-// [D, W'], context_lens [D].
+// [D, W'], context_lens [D]. amx_chunks: the chunks on AMX tiles (what the engine runs where AMX is on).
 torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,
                           torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
                           torch::Tensor sin, torch::Tensor chunk_starts, torch::Tensor chunk_lengths,
                           torch::Tensor chunk_cached, torch::Tensor chunk_tables, torch::Tensor decode_rows,
-                          torch::Tensor block_tables, torch::Tensor context_lens, int64_t heads, int64_t kv_heads,
-                          int64_t head_dim, int64_t intermediate, double eps) {
+                          torch::Tensor block_tables, torch::Tensor context_lens, bool amx_chunks, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "step_layers: x must be contiguous [T, H] bfloat16");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
@@ -128,7 +164,7 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<t
     torch::Tensor k_cache = kv_cache.select(0, l).select(0, 0), v_cache = kv_cache.select(0, l).select(0, 1);
     attention::store_kv_(k_cache, v_cache, slots, k, v);
     torch::Tensor attn = attend(q, k_cache, v_cache, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
-                                decode_rows, block_tables, context_lens, scale);
+                                decode_rows, block_tables, context_lens, scale, amx_chunks);
     torch::Tensor o = run_linear(attn.view({rows, q_size}), lin + LINEAR_SLOTS, hidden, c10::nullopt);
     layer_ops::add_rms_norm_(o, residual, w[2], eps);
     torch::Tensor act = layer_ops::silu_mul(run_linear(o, lin + 2 * LINEAR_SLOTS, 2 * intermediate, c10::nullopt));
@@ -143,4 +179,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("available", [] { return linear::available() && chunk::available(); },
         "whether the AVX-512 BF16 linears and chunk attention are built in");
+  m.def("has_amx", [] { return kHasAmx; }, "whether the AMX linears and chunk attention are built in");
 }

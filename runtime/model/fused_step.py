@@ -1,14 +1,14 @@
 """A step's decoder layers in one C++ call (kernels/step_layers.py), for a bfloat16 model whose
-every decoder linear runs on the AVX-512 BF16 kernel or on the int4 one (W4A16).
+every decoder linear runs on AMX tiles, on the AVX-512 BF16 kernel or on the int4 one (W4A16).
 
 ``Transformer.forward`` offers each step to it first. It takes the step when the engine's paged
 attention context runs it on the C++ kernels: decodes on the paged decode kernel, prompt chunks
-(fresh or after cached tokens) on the AVX-512 BF16 chunk kernel, the KV store in C++ -- what the
-engine runs on such a host without AMX. Otherwise (SDPA fallbacks, the AMX chunk kernel) it declines
-(returns None), leaving the step to the Python loop over the layers. Both run the same kernels on
-the same weights, so they compute the same bits. Why: between ~13 kernel calls a layer, Python
-costs ~3 ms a decode step and ~2 ms a prompt step here, and a server's event loop then waits for
-the GIL at every call; one call releases it for the whole step.
+(fresh or after cached tokens) on the chunk kernel (AMX tiles' or AVX-512 BF16's), the KV store in
+C++. Otherwise (SDPA fallbacks) it declines (returns None), leaving the step to the Python loop over
+the layers. Both run the same kernels on the same weights, so they compute the same bits. Why:
+between ~13 kernel calls a layer, Python costs ~3 ms a decode step and ~2 ms a prompt step (Zen 4),
+and a server's event loop then waits for the GIL at every call; one call releases it for the whole
+step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ class FusedStep:
         self.module = kernels.step_layers
         # the C++ paged decode attention and KV store: the steps whose context uses them are taken
         self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
-        self.chunk_kernel = kernels.prefill_attention  # kernels.bf16_attention's: the chunk kernel built in
+        # the chunk kernel the engine runs (AMX tiles' where AMX is on, else AVX-512 BF16's): both are built in
+        self.chunk_kernel = kernels.prefill_attention
+        self.amx_chunks = kernels.describe()["prefill_attention"] == "amx"
         empty = torch.empty(0, dtype=torch.long)
         self.no_chunks = (empty, empty, empty, torch.empty(0, 0, dtype=torch.long))
         cfg = model.config
@@ -39,24 +41,29 @@ class FusedStep:
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
-            self.weights += [layer.input_layernorm.weight, none if bias is None else bias.float(),
+            # the bias as the qkv kernel adds it: bfloat16 on AMX tiles, float32 on the others
+            bias = None if bias is None else bias if getattr(attn.qkv_proj, "kernel", None) == "amx" else bias.float()
+            self.weights += [layer.input_layernorm.weight, none if bias is None else bias.contiguous(),
                              layer.post_attention_layernorm.weight]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 self.weights += slots(linear)
 
     @staticmethod
-    def fits(model) -> bool:
+    def fits(model, kernels) -> bool:
         """Whether every decoder layer is this file's Llama block with the fused layer ops and linears on
-        the AVX-512 BF16 kernel (bfloat16) or the int4 one in the column order of the checkpoint (a
-        tensor-parallel model, another quantization scheme or activation order is not)."""
+        AMX tiles (where ``kernels.step_layers`` has them built in), the AVX-512 BF16 kernel (bfloat16)
+        or the int4 one in the column order of the checkpoint (a tensor-parallel model, another
+        quantization scheme or activation order is not)."""
         from .llama import Block
         from .packed_linear import PackedLinear
         from .quant_linear import Int4Avx512Linear
 
+        packed = ("avx512bf16", "amx") if kernels.step_layers.has_amx() else ("avx512bf16",)
+
         def fast(linear) -> bool:
             if type(linear) is Int4Avx512Linear:
                 return linear.perm is None
-            return type(linear) is PackedLinear and linear.kernel == "avx512bf16"
+            return type(linear) is PackedLinear and linear.kernel in packed
 
         return model.dtype == torch.bfloat16 and model.rotary.ops is not None and all(
             type(layer) is Block and layer.mlp.ops is not None and layer.input_layernorm.ops is not None
@@ -75,7 +82,7 @@ class FusedStep:
         if ctx.decodes_only:
             chunks = self.no_chunks
         elif ctx.fresh or ctx.padded.count or len(ctx.in_place) != 1 or ctx.in_place[0].kernel is not self.chunk_kernel:
-            return None  # prompt chunks on SDPA or on the AMX kernel: the Python loop runs those
+            return None  # prompt chunks on SDPA: the Python loop runs those
         else:
             c = ctx.in_place[0]
             chunks = (c.starts, c.lengths, c.cached, c.tables)
@@ -83,5 +90,6 @@ class FusedStep:
         residual = torch.empty_like(x)
         out = self.module.step_layers(x, residual, self.weights, ctx.kv_cache, ctx.slot_mapping, positions,
                                       self.rotary.cos, self.rotary.sin, *chunks, ctx.decode_rows, ctx.decode_blocks,
-                                      ctx.decode_lens, heads, kv_heads, head_dim, intermediate, eps)
+                                      ctx.decode_lens, self.amx_chunks, heads, kv_heads, head_dim, intermediate,
+                                      eps)
         return out, residual
