@@ -42,6 +42,13 @@ def cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_has_amx() -> bool:
+    """Whether the CPU has AMX tiles (and the OS lets torch see them)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
 def cpu_has_avx512_bf16() -> bool:
     """Whether the CPU has AVX-512 BF16 (vdpbf16ps): what kernels/bf16_linear.py and step_layers.py need."""
     return "avx512_bf16" in cpu_flags().split()
@@ -95,15 +102,14 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         return None
 
 
-AMX_FLAGS = ["-fopenmp", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bf16"]
+AMX_ISA = ["-mamx-tile", "-mamx-bf16"]  # also what step_layers.cpp adds to build its AMX parts
+AMX_FLAGS = ["-fopenmp", *AMX_ISA, "-mavx512f", "-mavx512bf16"]
 
 
 def build_amx(name: str, source: str) -> object | None:
     """An AMX kernel's module, only where it can run: a CPU with AMX, a source that builds, and a
     kernel that grants this process tile permission (the module's ``enable_amx``); else None."""
-    import torch
-
-    if not torch.cpu._is_amx_tile_supported():
+    if not cpu_has_amx():
         return None
     module = build(name, source, AMX_FLAGS)
     if module is None or not module.enable_amx():

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from .extension import cpu_has_avx512_bf16
+from .extension import cpu_has_amx, cpu_has_avx512_bf16
 
 log = logging.getLogger("infer.kernels")
 BACKENDS = ("auto", "cpp", "torch", "triton")
@@ -87,10 +87,6 @@ def _chunk_kernel_name(kernel: Callable | None) -> str:
 
     amx = amx_attention.load() if cpu_has_amx() else None
     return "amx" if amx is not None and kernel is amx.chunk_attention else "avx512bf16"
-
-
-def cpu_has_amx() -> bool:
-    return bool(torch.cpu._is_amx_tile_supported())
 
 
 def _amx_wanted(amx: bool | None) -> bool:
@@ -159,8 +155,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         linear_bf16 = need(bf16_linear.load(), "AVX-512 BF16 linear")
     if (linear_bf16 is not None or linear_amx is not None) and ops is not None and attention is not None:
         fused = need(step_layers.load(), "step layers")
-        if fused is not None and linear_bf16 is None and not fused.has_amx():
-            fused = None  # built without AMX (an older compiler): the Python loop runs the AMX linears
+        if fused is not None and (linear_amx is not None or chunk is not None) and not fused.has_amx():
+            fused = None  # built without AMX (an older compiler): the Python loop runs the AMX kernels
     from infer.kernels.onednn import can_pack  # local: the probe runs a tiny matmul
 
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,

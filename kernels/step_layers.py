@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-import torch
-
-from .extension import build, cpu_has_avx512_bf16
+from .extension import AMX_ISA, build, cpu_has_amx, cpu_has_avx512_bf16
 
 
 @lru_cache(maxsize=1)
@@ -23,6 +21,6 @@ def load() -> object | None:
         return None
     # layer ops' flags: they round exactly where torch rounds (the attention parts set their own, as built alone);
     # AMX's where the CPU has it, for the AMX linears (used only where the resolver put the model's linears on them)
-    amx = ["-mamx-tile", "-mamx-bf16"] if torch.cpu._is_amx_tile_supported() else []
+    amx = AMX_ISA if cpu_has_amx() else []
     module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off", *amx])
     return module if module is not None and module.available() else None

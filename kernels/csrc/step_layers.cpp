@@ -51,6 +51,7 @@ namespace int4 {
 }
 // AMX tiles where the build targets them (kernels/step_layers.py adds the flags on a CPU with AMX)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INFER_STEP_AMX 1
 #include "amx_tiles.h"
 namespace amx {
 #include "amx_linear.cpp"
@@ -75,7 +76,7 @@ constexpr int LINEAR_SLOTS = 3;  // bfloat16: packed, empty, empty; int4: packed
 // the int4 one for int32 words.
 torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
   if (w[0].scalar_type() == at::kBFloat16 && w[0].dim() == 4 && w[0].size(3) != 2) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef INFER_STEP_AMX
     return amx::amx_linear(x, w[0], bias);
 #else
     TORCH_CHECK(false, "step_layers: an AMX-packed weight, but this build has no AMX (kernels/step_layers.py)");
@@ -100,7 +101,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
     return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
   torch::Tensor out = torch::empty(q.sizes(), q.options());
   if (amx_chunks) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef INFER_STEP_AMX
     amx_chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
                                scale);
 #else

@@ -49,21 +49,19 @@ class FusedStep:
                 self.weights += slots(linear)
 
     @staticmethod
-    def fits(model, kernels) -> bool:
+    def fits(model) -> bool:
         """Whether every decoder layer is this file's Llama block with the fused layer ops and linears on
-        AMX tiles (where ``kernels.step_layers`` has them built in), the AVX-512 BF16 kernel (bfloat16)
-        or the int4 one in the column order of the checkpoint (a tensor-parallel model, another
-        quantization scheme or activation order is not)."""
+        AMX tiles, the AVX-512 BF16 kernel (bfloat16) or the int4 one in the column order of the
+        checkpoint (a tensor-parallel model, another quantization scheme or activation order is not).
+        The resolver keeps ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
         from .llama import Block
         from .packed_linear import PackedLinear
         from .quant_linear import Int4Avx512Linear
 
-        packed = ("avx512bf16", "amx") if kernels.step_layers.has_amx() else ("avx512bf16",)
-
         def fast(linear) -> bool:
             if type(linear) is Int4Avx512Linear:
                 return linear.perm is None
-            return type(linear) is PackedLinear and linear.kernel in packed
+            return type(linear) is PackedLinear and linear.kernel in ("avx512bf16", "amx")
 
         return model.dtype == torch.bfloat16 and model.rotary.ops is not None and all(
             type(layer) is Block and layer.mlp.ops is not None and layer.input_layernorm.ops is not None

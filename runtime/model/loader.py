@@ -168,7 +168,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     if kernels.step_layers is not None:
         from .fused_step import FusedStep
 
-        if FusedStep.fits(model, kernels):
+        if FusedStep.fits(model):
             model.fused_step = FusedStep(model, kernels)
     model.kernels = kernels
     return model.eval().requires_grad_(False)
