@@ -19,15 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from . import (amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention,
                    int4_linear, layer_ops, step_layers)
+    from . import isa
     from .extension import cache_root
     from .resolver import cpu_has_amx, cpu_has_avx512_bf16
 
+    print(f"CPU class: {isa.active()} (this CPU's own: {isa.native_class()}; INFER_ISA forces a lower one)")
     kernels = {"layer_ops": layer_ops.load, "paged_attention": cpu_attention.load}
     if cpu_has_amx():
         kernels |= {"amx_linear": amx_linear.load, "amx_attention": amx_attention.load}
+    if isa.at_least("avx2"):
+        kernels |= {"bf16_linear": bf16_linear.load, "step_layers": step_layers.load}
     if cpu_has_avx512_bf16():
-        kernels |= {"bf16_linear": bf16_linear.load, "step_layers": step_layers.load,
-                    "bf16_attention": bf16_attention.load, "int4_linear": int4_linear.load}
+        kernels |= {"bf16_attention": bf16_attention.load, "int4_linear": int4_linear.load}
     failed = []
     for name, load in kernels.items():
         t0 = time.perf_counter()
@@ -38,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(name)
     if not cpu_has_amx():
         print("amx_linear, amx_attention: not built (this CPU has no AMX)")
+    if not isa.at_least("avx2"):
+        print("bf16_linear, step_layers: not built (this CPU has no AVX2 + FMA)")
     if not cpu_has_avx512_bf16():
-        print("bf16_linear, step_layers, bf16_attention, int4_linear: not built (this CPU has no AVX-512 BF16)")
+        print("bf16_attention, int4_linear: not built (no AVX-512 BF16 in the active class)")
     print(f"cache: {cache_root()}")
     if failed:  # not fatal: the runtime falls back to torch ops and says so; the test suite fails on it
         print(f"not built: {', '.join(failed)} (see the warnings above)")

@@ -1,8 +1,9 @@
-"""bfloat16 linears on AVX-512 BF16 (kernels/csrc/bf16_linear.cpp), for CPUs with those instructions
-and no AMX: the layout a decode step streams at close to memory speed.
+"""bfloat16 linears in column blocks (kernels/csrc/bf16_linear.cpp), for every CPU class without AMX in
+use: the layout a decode step streams at close to memory speed. On AVX-512 BF16 the kernel multiplies
+with vdpbf16ps; on AVX-512F or AVX2 + FMA it widens the bfloat16 weights to float32 in registers.
 
-``load()`` gives the module only where it can run (the CPU has ``avx512_bf16`` and the source
-builds); elsewhere callers keep oneDNN. Measured on the embedded model's 120 decoder linears plus
+``load()`` gives the module only where it can run (the active class, kernels/isa.py, is at least
+``avx2``, and the source builds); elsewhere callers keep oneDNN. Measured on the embedded model's 120 decoder linears plus
 its LM head, each weight distinct (a decode step's streaming, past any cache), 2 threads on an
 AMD EPYC (Zen 4) without AMX: 1 row 10 ms vs oneDNN's packed layout 20 ms, 4 rows 10 vs 19 ms,
 16 rows 17 vs 26, 64 rows 51 vs 61, 256 rows 187 vs 202.
@@ -14,7 +15,8 @@ from functools import lru_cache
 
 import torch
 
-from .extension import build, cpu_has_avx512_bf16
+from . import isa
+from .extension import build
 
 WIDE, NARROW = 64, 32  # output columns per weight block (csrc/bf16_linear.cpp)
 NARROW_UP_TO = 1024  # weights of at most this many output columns get narrow blocks
@@ -23,7 +25,7 @@ NARROW_UP_TO = 1024  # weights of at most this many output columns get narrow bl
 @lru_cache(maxsize=1)
 def load() -> object | None:
     """The compiled module (``bf16_linear``), or None where it cannot run or be built."""
-    if not cpu_has_avx512_bf16():
+    if not isa.at_least("avx2"):
         return None
     module = build("infer_bf16_linear", "bf16_linear.cpp", ["-fopenmp"])
     return module if module is not None and module.available() else None

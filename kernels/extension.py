@@ -4,8 +4,8 @@
 no user request waits for a compiler; a process that finds one missing builds it at load (about a
 minute a source) and says so. Builds are cached under ``$INFER_KERNEL_CACHE`` (default
 ``~/.cache/infer/kernels``) in a directory keyed by what decides the binary: the source and its
-headers, the compiler flags, the torch version and the CPU's instruction-set flags (the build uses
-``-march=native``). Two environments, or two machines sharing a home directory, never load each
+headers, the compiler flags (the CPU class's target, kernels/isa.py), the torch version and the CPU's
+instruction-set flags. Two environments, or two machines sharing a home directory, never load each
 other's builds or rebuild over them.
 
 A build that failed to compile is remembered by its key, so not every process pays the minute
@@ -22,36 +22,32 @@ import platform
 import re
 from pathlib import Path
 
+from . import isa
+from .isa import cpu_flags
+
 log = logging.getLogger("infer.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
-BASE_FLAGS = ["-O3", "-march=native"]
+BASE_FLAGS = ["-O3"]  # and the class's target flags (isa.compile_flags)
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("INFER_KERNEL_CACHE") or Path.home() / ".cache" / "infer" / "kernels")
 
 
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags (what -march=native compiles for), sorted."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(set(line.split(":", 1)[1].split())))
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def cpu_has_amx() -> bool:
-    """Whether the CPU has AMX tiles (and the OS lets torch see them)."""
-    import torch
-
-    return bool(torch.cpu._is_amx_tile_supported())
+    """Whether the kernels run on AMX tiles: the CPU has them, the OS grants them, and no lower class
+    is forced (kernels/isa.py)."""
+    return isa.active() == "amx"
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """Whether the CPU has AVX-512 BF16 (vdpbf16ps): what kernels/bf16_linear.py and step_layers.py need."""
-    return "avx512_bf16" in cpu_flags().split()
+    """Whether the active class has AVX-512 BF16 (vdpbf16ps): the chunk attention and int4 kernels need it."""
+    return isa.at_least("avx512bf16")
+
+
+def flags() -> list[str]:
+    """Every kernel's compiler flags before its own: optimisation and the active class's target."""
+    return [*BASE_FLAGS, *isa.compile_flags()]
 
 
 def build_key(source: str, cflags: list[str]) -> str:
@@ -63,7 +59,7 @@ def build_key(source: str, cflags: list[str]) -> str:
     included = sorted(set(re.findall(r'#include "([\w.]+\.cpp)"', text)))  # sources built into this one
     inputs = [text.encode(), *((CSRC / c).read_bytes() for c in included),
               *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))),
-              " ".join(BASE_FLAGS + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
+              " ".join(flags() + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
               platform.python_version().encode()]
     return hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
 
@@ -89,7 +85,7 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         directory.mkdir(parents=True, exist_ok=True)
         # the key as a define: the module records which build it is
         return load_extension(name=name, sources=[str(CSRC / source)], build_directory=str(directory),
-                              extra_cflags=[*BASE_FLAGS, f"-DINFER_SOURCE_DIGEST={key}", *cflags],
+                              extra_cflags=[*flags(), f"-DINFER_SOURCE_DIGEST={key}", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]

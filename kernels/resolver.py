@@ -3,7 +3,7 @@
 ``resolve("auto" | "cpp" | "torch", amx=None | True | False, ...)`` returns a ``KernelSet``: the
 fused layer ops (RMSNorm, rotary, SiLU-and-multiply), the paged decode attention and KV store,
 the attention of prompt chunks (after cached tokens, and fresh ones), and how bfloat16 linears are
-laid out. Everything that
+laid out, for the active CPU class (kernels/isa.py: ``INFER_ISA`` forces a lower one). Everything that
 runs a model reads its choices from here and nowhere else; ``describe()`` says what was chosen, for
 the load log, ``/version`` and the benchmarks.
 
@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from . import isa
 from .extension import cpu_has_amx, cpu_has_avx512_bf16
 
 log = logging.getLogger("infer.kernels")
@@ -50,23 +51,25 @@ class KernelSet:
     # kernels.bf16_attention's, or None: gather + padded SDPA
     amx_linear: object | None  # kernels.amx_linear's module, or None
     onednn_linear: bool  # bfloat16 linears prepacked into oneDNN's layout where neither of the others runs
-    bf16_linear: object | None = None  # kernels.bf16_linear's module (AVX-512 BF16, no AMX in use), or None
+    bf16_linear: object | None = None  # kernels.bf16_linear's module (column blocks, no AMX in use), or None
     step_layers: object | None = None  # kernels.step_layers' module (with bf16_linear or amx_linear), or None
     prefill_attention: Callable | None = None  # chunks that start a sequence: the AMX chunk kernel where AMX
     # is on, else kernels.bf16_attention's, or None: SDPA within each chunk
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
-        """How a plain linear of ``dtype`` runs: amx | avx512bf16 | onednn | torch."""
+        """How a plain linear of ``dtype`` runs: amx | blocks | onednn | torch (blocks: kernels/bf16_linear.py,
+        with the instructions of the class ``describe()`` names)."""
         if dtype != torch.bfloat16:
             return "torch"
         if self.amx_linear is not None:
             return "amx"
-        return "avx512bf16" if self.bf16_linear is not None else "onednn" if self.onednn_linear else "torch"
+        return "blocks" if self.bf16_linear is not None else "onednn" if self.onednn_linear else "torch"
 
     def describe(self, dtype: torch.dtype | None = None) -> dict:
         """Which kernel runs each piece: logged once at load, shown by /version and the benchmarks."""
         fast = "triton" if self.backend == "triton" else "cpp"
-        d = {"backend": self.backend, "amx": self.amx, "cpu_has_amx": cpu_has_amx(),
+        d = {"backend": self.backend, "isa": isa.active() if self.backend == "cpp" else None, "amx": self.amx,
+             "cpu_has_amx": cpu_has_amx(),
              "layer_ops": fast if self.layer_ops is not None else "torch",
              "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
              "kv_store": fast if self.store_kv is not None else "torch",
@@ -93,7 +96,8 @@ def _amx_wanted(amx: bool | None) -> bool:
     if amx is None:
         amx = os.environ.get("INFER_AMX", "1") != "0" and cpu_has_amx()
     if amx and not cpu_has_amx():
-        raise RuntimeError("amx=True but this CPU has no AMX tiles (lscpu lists no amx_* flag); use amx=None")
+        raise RuntimeError(f"amx=True but AMX is not in use: the CPU class is {isa.active()} (this CPU has no AMX "
+                           "tiles, or INFER_ISA / INFER_AMX=0 holds it lower); use amx=None")
     return amx
 
 
@@ -151,8 +155,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         module = need(bf16_attention.load(), "AVX-512 BF16 attention")
         prefill = module.chunk_attention if module is not None else None
     linear_bf16 = fused = None
-    if dtype == torch.bfloat16 and linear_amx is None and cpu_has_avx512_bf16():
-        linear_bf16 = need(bf16_linear.load(), "AVX-512 BF16 linear")
+    if dtype == torch.bfloat16 and linear_amx is None and isa.at_least("avx2"):
+        linear_bf16 = need(bf16_linear.load(), "column-block linear")
     if (linear_bf16 is not None or linear_amx is not None) and ops is not None and attention is not None:
         fused = need(step_layers.load(), "step layers")
         if fused is not None and (linear_amx is not None or chunk is not None) and not fused.has_amx():

@@ -1,5 +1,5 @@
 """Every decoder layer of a step in one C++ call (kernels/csrc/step_layers.cpp), for bfloat16 models
-whose linears run on AMX tiles, on the AVX-512 BF16 kernel, or on the int4 one.
+whose linears run on AMX tiles, on the column-block kernel (any class from AVX2 up), or on the int4 one.
 
 It calls the same kernels the model calls layer by layer (layer ops, the paged decode attention,
 the chunk attention (AMX tiles' or AVX-512 BF16's) and the KV store, the linears), so outputs are the same; what it
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .extension import AMX_ISA, build, cpu_has_amx, cpu_has_avx512_bf16
+from . import isa
+from .extension import AMX_ISA, build, cpu_has_amx
 
 
 @lru_cache(maxsize=1)
 def load() -> object | None:
-    if not cpu_has_avx512_bf16():
+    if not isa.at_least("avx2"):
         return None
     # layer ops' flags: they round exactly where torch rounds (the attention parts set their own, as built alone);
     # AMX's where the CPU has it, for the AMX linears (used only where the resolver put the model's linears on them)

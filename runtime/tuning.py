@@ -4,7 +4,7 @@ the hardware matches.
 The runtime makes three choices by a fixed rule that the machine may disagree with; tuning times
 the real alternatives with the model's real shapes and records every timing and the choice:
 
-- ``linear``: per bfloat16 linear shape, AMX tiles / AVX-512 BF16 blocks / oneDNN's packed layout /
+- ``linear``: per bfloat16 linear shape, AMX tiles / column blocks (kernels/bf16_linear.py) / oneDNN's packed layout /
   plain ``F.linear``
   (the weight layout is fixed at load, so one kernel per shape: the one with the least time summed
   over the buckets);
@@ -50,7 +50,7 @@ log = logging.getLogger("infer.tuning")
 FILE = "tuning.json"
 FORMAT, VERSION = "infer-tuning", 1
 REPEATS, WARMUP, MARGIN = 7, 2, 0.10
-LINEAR_ORDER = ("amx", "avx512bf16", "onednn", "torch")
+LINEAR_ORDER = ("amx", "blocks", "onednn", "torch")
 ATTENTION_ORDER = ("cpp", "torch-sdpa")
 CONTEXT = 256  # tokens of context per sequence when timing decode attention and steps
 RULE = (f"fastest and median of {REPEATS} timed runs after {WARMUP} warm-up runs; an alternative replaces the "
@@ -199,7 +199,7 @@ def _linear_candidates(weight: torch.Tensor, kernels) -> dict:
     if kernels.amx_linear is not None and amx_linear.fits(weight):
         out["amx"] = PackedLinear(plain, "amx", kernels.amx_linear)
     if kernels.bf16_linear is not None and bf16_linear.fits(weight):
-        out["avx512bf16"] = PackedLinear(plain, "avx512bf16", kernels.bf16_linear)
+        out["blocks"] = PackedLinear(plain, "blocks", kernels.bf16_linear)
     if kernels.onednn_linear:
         out["onednn"] = PackedLinear(plain)
     out["torch"] = plain

@@ -155,7 +155,8 @@ def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embe
 
     from pydoc_data.topics import topics
 
-    from infer.kernels.resolver import cpu_has_avx512_bf16, resolve
+    from infer.kernels import isa
+    from infer.kernels.resolver import resolve
     from infer.runtime.model import load_model
     from infer.runtime.model.packed_linear import PackedLinear
     from quant_helpers import compare_logits
@@ -171,7 +172,7 @@ def test_bfloat16_with_the_fast_kernels_is_as_close_to_float32_as_torch_ops(embe
     plain = load_model(embedded_artifact, torch.bfloat16, "torch")
     print("kernels", kernels.describe(torch.bfloat16))
     assert type(fast.layers[0].mlp.gate_up_proj) is PackedLinear
-    linear = "amx" if amx else "avx512bf16" if cpu_has_avx512_bf16() else "onednn"
+    linear = "amx" if amx else "blocks" if isa.at_least("avx2") else "onednn"
     assert fast.layers[0].mlp.gate_up_proj.kernel == linear
     # a kernel that streams the weights takes the LM head too; oneDNN's layout gains nothing there
     assert type(fast.lm_head) is (torch.nn.Linear if linear == "onednn" else PackedLinear)
@@ -222,5 +223,5 @@ def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_
     assert 0 < torch_mean < 0.1  # bfloat16 against float32, summed over 30 layers
     assert diffs["cpp", 32].mean() <= 1.5 * torch_mean + 0.01, diffs
     assert diffs["cpp", 32].max() <= 2 * diffs["torch", 32].max() + 0.05, diffs
-    if described["chunk_attention"] == described["linear"] in ("avx512bf16", "amx"):
+    if described["chunk_attention"] in ("avx512bf16", "amx") and described["linear"] in ("blocks", "amx"):
         assert torch.equal(logprobs["cpp", 32], logprobs["cpp", None])

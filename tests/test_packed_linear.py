@@ -1,4 +1,4 @@
-"""bfloat16 linears with prepacked weights (AMX tiles, AVX-512 BF16 blocks, oneDNN) against a float64
+"""bfloat16 linears with prepacked weights (AMX tiles, column blocks, oneDNN) against a float64
 reference, and in the model."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ from torch import nn
 
 from infer.kernels import amx_linear, bf16_linear
 from infer.kernels.onednn import can_pack
-from infer.kernels.resolver import cpu_has_avx512_bf16
+from infer.kernels import isa
 from infer.runtime.model.packed_linear import PackedLinear, pack_linears
 
 AMX = amx_linear.load()
 BF16 = bf16_linear.load()
-MODULES = {"amx": AMX, "avx512bf16": BF16}
+MODULES = {"amx": AMX, "blocks": BF16}
 
 
 def test_packing_is_available_wherever_onednn_is():
-    assert can_pack(torch.bfloat16) == torch.backends.mkldnn.is_available()
+    # oneDNN's bfloat16 linear needs AVX-512 (on AVX2 it has none: the column blocks run there)
+    assert can_pack(torch.bfloat16) == (torch.backends.mkldnn.is_available() and isa.at_least("avx512"))
     assert not can_pack(torch.float32)  # measured slower: left to F.linear
 
 
@@ -27,14 +28,14 @@ def test_amx_kernel_is_used_wherever_the_cpu_has_amx():
     assert (AMX is not None) == torch.cpu._is_amx_tile_supported()
 
 
-def test_avx512_bf16_kernel_is_built_wherever_the_cpu_has_the_instructions():
-    assert (BF16 is not None) == cpu_has_avx512_bf16()
+def test_column_block_kernel_is_built_on_every_class_from_avx2():
+    assert (BF16 is not None) == isa.at_least("avx2")
 
 
 def _kernels():
-    return ["onednn",
-            pytest.param("avx512bf16", marks=pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here; the onednn case ran")),
-            pytest.param("amx", marks=pytest.mark.skipif(AMX is None, reason="this CPU has no AMX: the AMX kernel cannot run here; the onednn case ran"))]
+    return [pytest.param("onednn", marks=pytest.mark.skipif(not can_pack(torch.bfloat16), reason="oneDNN has no bfloat16 linear on this CPU class (it needs AVX-512): the blocks case ran")),
+            pytest.param("blocks", marks=pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX2 + FMA: that kernel cannot run here; the onednn case ran")),
+            pytest.param("amx", marks=pytest.mark.skipif(AMX is None, reason="this CPU has no AMX: the AMX kernel cannot run here; the other kernels ran"))]
 
 
 def _random_linear(n: int, k: int, bias: bool, gen) -> nn.Linear:
@@ -51,9 +52,9 @@ def _random_linear(n: int, k: int, bias: bool, gen) -> nn.Linear:
 @pytest.mark.parametrize("wide", [False, True])
 def test_packed_linear_matches_float64(kernel, rows, bias, wide):
     gen = torch.Generator().manual_seed(torch.initial_seed())
-    # 1536 inputs: 300 rows span two of the AMX kernel's row blocks. The AVX-512 BF16 kernel packs
-    # 96 outputs in three 32-column blocks (row tiles 12, 4, 2, 1) and 1100 in 64-column ones, the
-    # last one part full (row tiles 6, 4, 2, 1); 1088 for AMX, which needs whole 32-column tiles
+    # 1536 inputs: 300 rows span two of the AMX kernel's row blocks. The column-block kernel packs
+    # 96 outputs in three 32-column blocks (AVX-512 BF16 row tiles 12, 4, 2, 1; widening ones 8 or 4, 2, 1)
+    # and 1100 in 64-column ones, the last one part full (row tiles 6, 4, 2, 1); 1088 for AMX, which needs whole 32-column tiles
     n = (1088 if kernel == "amx" else 1100) if wide else 96
     linear = _random_linear(n, 1536 if rows == 300 else 192, bias, gen)
     packed = PackedLinear(linear, kernel, MODULES.get(kernel))
@@ -83,11 +84,11 @@ def test_amx_linear_takes_strided_rows_and_falls_back_on_shapes_it_cannot_tile()
     assert model.layers[0].mlp.down_proj.kernel == "onednn"
 
 
-@pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here")
-def test_avx512_bf16_linear_takes_strided_rows_and_checks_its_inputs():
+@pytest.mark.skipif(BF16 is None, reason="this CPU has no AVX2 + FMA: that kernel cannot run here")
+def test_column_block_linear_takes_strided_rows_and_checks_its_inputs():
     gen = torch.Generator().manual_seed(torch.initial_seed())
     linear = _random_linear(130, 96, True, gen)  # 130 outputs: four whole 32-column blocks and 2 columns of a fifth
-    packed = PackedLinear(linear, "avx512bf16", BF16)
+    packed = PackedLinear(linear, "blocks", BF16)
     wide = torch.randn(9, 200, generator=gen).to(torch.bfloat16)
     x = wide[:, 3:99]  # rows 200 apart, as a slice of a fused projection's output is
     want = x.double() @ linear.weight.double().t() + linear.bias.double()
@@ -115,13 +116,13 @@ def _tiny_model(intermediate: int = 128):
 
 
 @pytest.mark.parametrize("kernel", _kernels())
-def test_pack_linears_swaps_the_decoder_linears_and_with_amx_or_avx512_bf16_the_lm_head(kernel):
+def test_pack_linears_swaps_the_decoder_linears_and_with_amx_or_blocks_the_lm_head(kernel):
     model = _tiny_model()
     ids = torch.randint(0, 320, (1, 12))
     with torch.inference_mode():
         before = model.logits(ids)
     streams = kernel != "onednn"  # a kernel that streams the weights takes the LM head too
-    assert pack_linears(model, AMX if kernel == "amx" else None, bf16=BF16 if kernel == "avx512bf16" else None) \
+    assert pack_linears(model, AMX if kernel == "amx" else None, bf16=BF16 if kernel == "blocks" else None) \
         == 2 * 4 + streams
     assert model.layers[1].mlp.down_proj.kernel == kernel
     assert type(model.lm_head) is (PackedLinear if streams else nn.Linear)
@@ -137,9 +138,9 @@ def test_streamed_weights_share_one_aligned_arena_and_keep_their_values():
 
     memory = hugepages.arena(5 << 20)
     assert memory.data_ptr() % hugepages.HUGE == 0 and memory.numel() == 5 << 20
-    kernel = "amx" if AMX is not None else "avx512bf16" if BF16 is not None else None
+    kernel = "amx" if AMX is not None else "blocks" if BF16 is not None else None
     if kernel is None:
-        pytest.skip("this CPU has neither AMX nor AVX-512 BF16: no weights are streamed from an arena here")
+        pytest.skip("this CPU has neither AMX nor AVX2 + FMA: no weights are streamed from an arena here")
     model = _tiny_model()
     ids = torch.randint(0, 320, (1, 12))
     with torch.inference_mode():

@@ -1,4 +1,6 @@
-// bfloat16 linears on AVX-512 BF16 (vdpbf16ps), for CPUs that have those instructions but no AMX.
+// bfloat16 linears on the CPU: AVX-512 BF16 (vdpbf16ps) where the CPU has it, else bfloat16 widened to
+// float32 in registers and multiplied with FMA (AVX-512F or AVX2 + FMA): one source, the instruction set
+// chosen by the build's target flags (kernels/isa.py compiles one build per CPU class).
 //
 // A decode step multiplies one row (or a few) by every weight of the model: the weights stream
 // from memory once per step, and how close a step comes to the memory-bandwidth floor is how
@@ -11,12 +13,18 @@
 // prompt chunks too. Narrow weights get narrow blocks so that a decode step's few blocks split
 // evenly over the threads (576 columns: 9 blocks of 64 leave one thread 5 and the other 4).
 //
+// Without vdpbf16ps the same layout serves: a 32-bit word of it holds one column's (k, k+1) pair, so a
+// vector of words widens to the k row (x << 16) and the k+1 row (x & 0xffff0000) of as many columns,
+// each multiplied by a broadcast x[k] or x[k+1] with FMA. The weights stay 16-bit in memory, so decode
+// keeps bfloat16's bandwidth advantage over a float32 model.
+//
 // Sums are float32 (bf16 products are exact in float32), the bias is added in float32, and each
 // output is rounded once to bfloat16 (nearest even), as oneDNN and torch's bf16 linears do; the
 // order of the additions differs, so results agree to bfloat16 rounding, not bit for bit.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "float_storage.h"
 #include "simd_math.h"
 #include "work_split.h"
 
@@ -117,10 +125,146 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
 
 bool available() { return true; }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kPrefetchBytes = 2048;  // as the AVX-512 BF16 path above
+
+// The vector of this build: 16 float32 lanes with AVX-512F, 8 with AVX2.
+#if defined(__AVX512F__)
+using vf = __m512;
+constexpr int kLanes = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+// one column pair word a lane: the k rows (low halves) and the k+1 rows (high halves), widened to float32
+inline void widen_pairs(const uint16_t* w, vf& even, vf& odd) {
+  const __m512i raw = _mm512_loadu_si512(w);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#else
+using vf = __m256;
+constexpr int kLanes = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void widen_pairs(const uint16_t* w, vf& even, vf& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))));
+}
+#endif
+
+// y[0:ROWS, c0:c0+V*kLanes] = x[0:ROWS] . block columns c0.. + bias; x in float32 (xf, K floats a row),
+// the block `width` columns wide, its first column n0 of the n outputs.
+template <int ROWS, int V>
+inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* block, int64_t width, int64_t c0,
+                 const float* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+  vf acc[ROWS][V];
+  for (int j = 0; j < V; ++j) {
+    alignas(64) float b[kLanes] = {};
+    for (int i = 0; i < kLanes; ++i) {
+      const int64_t col = n0 + c0 + j * kLanes + i;
+      if (bias != nullptr && col < n) b[i] = bias[col];
+    }
+    for (int r = 0; r < ROWS; ++r) acc[r][j] = vload(b);
+  }
+  const uint16_t* w = block + 2 * c0;
+  const int64_t step = 2 * width;  // uint16 a pair row
+  for (int64_t p = 0; p < pairs; ++p, w += step) {
+    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+    if (V * kLanes * 4 > 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
+    if (V * kLanes * 4 > 128) {
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 192, _MM_HINT_T0);
+    }
+    for (int j = 0; j < V; ++j) {
+      vf even, odd;
+      widen_pairs(w + 2 * kLanes * j, even, odd);
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r][j] = vfma(vbroadcast(xf + r * k + 2 * p), even, acc[r][j]);
+        acc[r][j] = vfma(vbroadcast(xf + r * k + 2 * p + 1), odd, acc[r][j]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < V; ++j) {
+      alignas(64) float out[kLanes];
+      vstore(out, acc[r][j]);
+      const int64_t col = n0 + c0 + j * kLanes;
+      uint16_t* yr = y + r * ldy + col;
+      for (int i = 0; i < kLanes && col + i < n; ++i) yr[i] = infer::from_float<at::BFloat16>(out[i]).x;
+    }
+}
+
+// Every row of x against one block. Few rows (a decode step) read each pair row of the block whole, front
+// to back; more rows go in tiles of kTileRows x 2 vectors, which keep every weight load for kTileRows rows.
+template <int V>  // vectors a block row: width / kLanes
+inline void rows_of_block(const float* xf, int64_t k, int64_t pairs, const uint16_t* block, const float* bias,
+                          uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
+  constexpr int64_t width = V * kLanes;
+  constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // 2 x rows accumulators, of 32 or 16 registers
+  if (r1 - r < kTileRows) {
+    for (; r < r1; ++r) tile<1, V>(xf + r * k, k, pairs, block, width, 0, bias, y + r * n, n, n0, n);
+    return;
+  }
+  for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
+    int64_t i = r;
+    for (; i + kTileRows <= r1; i += kTileRows)
+      tile<kTileRows, 2>(xf + i * k, k, pairs, block, width, c0, bias, y + i * n, n, n0, n);
+    for (; i + 2 <= r1; i += 2) tile<2, 2>(xf + i * k, k, pairs, block, width, c0, bias, y + i * n, n, n0, n);
+    for (; i < r1; ++i) tile<1, 2>(xf + i * k, k, pairs, block, width, c0, bias, y + i * n, n, n0, n);
+  }
+}
+
+}  // namespace
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "bf16_linear: x must be a [M, K] bfloat16 tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  (packed.size(2) == 64 || packed.size(2) == 32) && packed.size(3) == 2,
+              "bf16_linear: the weight must be packed by kernels/bf16_linear.py");
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0), width = packed.size(2);
+  TORCH_CHECK(k == 2 * pairs, "bf16_linear: x has ", k, " features, the packed weight ", 2 * pairs);
+  TORCH_CHECK(n > (blocks - 1) * width && n <= blocks * width, "bf16_linear: ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bf16_linear: bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  // x widened once (exact), so that the tiles broadcast float32 straight from memory
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  auto y = torch::empty({m, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t block_elems = pairs * width * 2;
+  infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r, int64_t r1) {
+    const uint16_t* w = wp + blk * block_elems;
+    if (width == 64)
+      rows_of_block<64 / kLanes>(xp, k, pairs, w, b, yp, blk * width, n, r, r1);
+    else
+      rows_of_block<32 / kLanes>(xp, k, pairs, w, b, yp, blk * width, n, r, r1);
+  });
+  return y;
+}
+
+bool available() { return true; }
+
 #else
 
 torch::Tensor bf16_linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "bf16_linear: built for a CPU without AVX-512 BF16");
+  TORCH_CHECK(false, "bf16_linear: built for a CPU without AVX2 and FMA");
 }
 
 bool available() { return false; }
@@ -130,8 +274,8 @@ bool available() { return false; }
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: a prompt chunk's matmul must not stall a server's event loop
-  m.def("bf16_linear", &bf16_linear, "bfloat16 linear on AVX-512 BF16 over a packed weight (CPU)",
+  m.def("bf16_linear", &bf16_linear, "bfloat16 linear over a packed weight (CPU: AVX-512 BF16, AVX-512F or AVX2 + FMA)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("available", &available, "whether this build has the AVX-512 BF16 kernel");
+  m.def("available", &available, "whether this build has a bfloat16 linear (its target has AVX2 + FMA at least)");
 }
 #endif

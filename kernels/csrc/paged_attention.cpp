@@ -10,6 +10,10 @@
 // two lanes per instruction, and token rows found by walking the block table rather than a
 // division a token. The task is a function of its own sequence alone: a row gets the same bits
 // in any batch.
+//
+// Other caches, and CPUs without AVX-512 BF16, take fixed_task for the common shapes: queries and
+// accumulators in registers, the cache widened to float32 as it is read, on 16-lane AVX-512F or 8-lane
+// AVX2 vectors (the build's target decides, kernels/isa.py); other shapes take the general loops.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -24,7 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -99,42 +103,109 @@ inline void accumulate_row(const float* p, int64_t p_stride, const T* v, float* 
   }
 }
 
-// One (sequence, KV head) task with the head count per KV head (G) and head_dim / 16 (D) known at
+#endif  // __AVX512F__
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+// The vector fixed_task works in: 16 float32 lanes with AVX-512F (the same instructions as written out
+// above), 8 with AVX2.
+#if defined(__AVX512F__)
+using vecf = __m512;
+constexpr int kVec = 16;
+inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
+template <typename T>
+inline vecf vload_row(const T* p) { return load16(p); }
+inline vecf vzero() { return _mm512_setzero_ps(); }
+inline vecf vset1(float x) { return _mm512_set1_ps(x); }
+inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vecf a) { return _mm512_reduce_add_ps(a); }
+inline void vstore(float* p, vecf a) { _mm512_storeu_ps(p, a); }
+#else
+using vecf = __m256;
+constexpr int kVec = 8;
+inline vecf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vecf vload_row(const float* p) { return _mm256_loadu_ps(p); }
+inline vecf vload_row(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline vecf vload_row(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vecf vzero() { return _mm256_setzero_ps(); }
+inline vecf vset1(float x) { return _mm256_set1_ps(x); }
+inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
+inline vecf vfma(vecf a, vecf b, vecf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vecf a) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline void vstore(float* p, vecf a) { _mm256_storeu_ps(p, a); }
+
+// In-place softmax of n floats (8 lanes; the tail scalar, with the same exponential).
+inline void softmax_inplace(float* x, int64_t n) {
+  float mx = x[0];
+  for (int64_t i = 1; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = infer::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
+    _mm256_storeu_ps(x + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (i < n) {
+    alignas(32) float tail[8] = {};
+    for (int64_t j = i; j < n; ++j) tail[j - i] = x[j] - mx;
+    alignas(32) float e[8];
+    _mm256_store_ps(e, infer::exp8(_mm256_load_ps(tail)));
+    for (int64_t j = i; j < n; ++j) x[j] = e[j - i];
+    for (int64_t j = n - i; j < 8; ++j) e[j] = 0.f;
+    sum = _mm256_add_ps(sum, _mm256_load_ps(e));
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / vsum(sum));
+  for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+  for (; i < n; ++i) x[i] *= _mm256_cvtss_f32(inv);
+}
+#endif
+
+// One (sequence, KV head) task with the head count per KV head (G) and head_dim / kVec (D) known at
 // compile time, so the queries and the output accumulators live in registers for the whole task.
 template <typename T, int G, int D>
 void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
                 int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
                 float* acc_out) {
-  __m512 q[G][D];
+  vecf q[G][D];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) q[g][d] = _mm512_loadu_ps(qf + g * D * 16 + d * 16);
+    for (int d = 0; d < D; ++d) q[g][d] = vload(qf + g * D * kVec + d * kVec);
   for (int64_t t = 0; t < len; ++t) {
     const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
-    __m512 kr[D];
-    for (int d = 0; d < D; ++d) kr[d] = load16(k + d * 16);
+    vecf kr[D];
+    for (int d = 0; d < D; ++d) kr[d] = vload_row(k + d * kVec);
     for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(q[g][0], kr[0]);
-      for (int d = 1; d < D; ++d) a = _mm512_fmadd_ps(q[g][d], kr[d], a);
-      scores[g * len + t] = _mm512_reduce_add_ps(a);
+      vecf a = vmul(q[g][0], kr[0]);
+      for (int d = 1; d < D; ++d) a = vfma(q[g][d], kr[d], a);
+      scores[g * len + t] = vsum(a);
     }
   }
   for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
-  __m512 acc[G][D];
+  vecf acc[G][D];
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) acc[g][d] = _mm512_setzero_ps();
+    for (int d = 0; d < D; ++d) acc[g][d] = vzero();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
-    __m512 vr[D];
-    for (int d = 0; d < D; ++d) vr[d] = load16(v + d * 16);
+    vecf vr[D];
+    for (int d = 0; d < D; ++d) vr[d] = vload_row(v + d * kVec);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(scores[g * len + t]);
-      for (int d = 0; d < D; ++d) acc[g][d] = _mm512_fmadd_ps(p, vr[d], acc[g][d]);
+      const vecf p = vset1(scores[g * len + t]);
+      for (int d = 0; d < D; ++d) acc[g][d] = vfma(p, vr[d], acc[g][d]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) _mm512_storeu_ps(acc_out + g * D * 16 + d * 16, acc[g][d]);
+    for (int d = 0; d < D; ++d) vstore(acc_out + g * D * kVec + d * kVec, acc[g][d]);
 }
+#endif
 
+#if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
 // r[t] = the sum of v[t]'s 16 lanes, for 16 vectors at once (a transpose-and-add tree: 46 shuffles and
 // adds where 16 horizontal sums would take ~140).
@@ -248,7 +319,9 @@ inline Bf16Task pick_bf16_task(int64_t group, int64_t head_dim) {
   return nullptr;
 }
 #endif
+#endif  // __AVX512F__
 
+#if defined(__AVX512F__) || defined(__AVX2__)
 using FixedTask = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
                            int64_t, int64_t, float*, float*);
 
@@ -262,10 +335,10 @@ void fixed_task_erased(const float* qf, const void* k, const void* v, const int6
 // The specialised task for this shape, or nullptr for the general path.
 template <typename T>
 FixedTask pick_fixed_task(int64_t group, int64_t head_dim) {
-#define INFER_CASE(G, D) if (group == G && head_dim == D * 16) return &fixed_task_erased<T, G, D>;
-  INFER_CASE(1, 4) INFER_CASE(2, 4) INFER_CASE(3, 4) INFER_CASE(4, 4) INFER_CASE(5, 4) INFER_CASE(6, 4)
-  INFER_CASE(7, 4) INFER_CASE(8, 4) INFER_CASE(1, 8) INFER_CASE(2, 8) INFER_CASE(4, 8) INFER_CASE(7, 8)
-  INFER_CASE(8, 8)
+#define INFER_CASE(G, HD) if (group == G && head_dim == HD) return &fixed_task_erased<T, G, HD / kVec>;
+  INFER_CASE(1, 64) INFER_CASE(2, 64) INFER_CASE(3, 64) INFER_CASE(4, 64) INFER_CASE(5, 64) INFER_CASE(6, 64)
+  INFER_CASE(7, 64) INFER_CASE(8, 64) INFER_CASE(1, 128) INFER_CASE(2, 128) INFER_CASE(4, 128) INFER_CASE(7, 128)
+  INFER_CASE(8, 128)
 #undef INFER_CASE
   return nullptr;
 }
@@ -279,7 +352,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;    // between tokens of a block
   const int64_t block_stride = block_size * token_stride;  // between blocks
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
   const FixedTask fixed = pick_fixed_task<T>(group, head_dim);
 #endif
 #if defined(__AVX512BF16__)
@@ -315,7 +388,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       for (int64_t g = 0; g < group; ++g)
         load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       scores.assign(group * len, 0.f);
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
       if (fixed != nullptr) {
         for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
         fixed(qf.data(), k_cache, v_cache, table, len, block_size, block_stride, token_stride, kvh * head_dim,

@@ -178,7 +178,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
   m.def("step_layers", &step_layers, "every decoder layer of a step: prompt chunks and decodes (CPU, bfloat16)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("available", [] { return linear::available() && chunk::available(); },
-        "whether the AVX-512 BF16 linears and chunk attention are built in");
+  m.def("available", [] { return linear::available(); }, "whether the column-block linears are built in");
+  m.def("has_chunk_attention", [] { return chunk::available(); },
+        "whether the AVX-512 BF16 chunk attention is built in (without it, steps with prompt chunks stay in Python)");
   m.def("has_amx", [] { return kHasAmx; }, "whether the AMX linears and chunk attention are built in");
 }

@@ -1,5 +1,5 @@
 """A step's decoder layers in one C++ call (kernels/step_layers.py), for a bfloat16 model whose
-every decoder linear runs on AMX tiles, on the AVX-512 BF16 kernel or on the int4 one (W4A16).
+every decoder linear runs on AMX tiles, on the column-block kernel or on the int4 one (W4A16).
 
 ``Transformer.forward`` offers each step to it first. It takes the step when the engine's paged
 attention context runs it on the C++ kernels: decodes on the paged decode kernel, prompt chunks
@@ -51,7 +51,7 @@ class FusedStep:
     @staticmethod
     def fits(model) -> bool:
         """Whether every decoder layer is this file's Llama block with the fused layer ops and linears on
-        AMX tiles, the AVX-512 BF16 kernel (bfloat16) or the int4 one in the column order of the
+        AMX tiles, the column-block kernel (bfloat16) or the int4 one in the column order of the
         checkpoint (a tensor-parallel model, another quantization scheme or activation order is not).
         The resolver keeps ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
         from .llama import Block
@@ -61,7 +61,7 @@ class FusedStep:
         def fast(linear) -> bool:
             if type(linear) is Int4Avx512Linear:
                 return linear.perm is None
-            return type(linear) is PackedLinear and linear.kernel in ("avx512bf16", "amx")
+            return type(linear) is PackedLinear and linear.kernel in ("blocks", "amx")
 
         return model.dtype == torch.bfloat16 and model.rotary.ops is not None and all(
             type(layer) is Block and layer.mlp.ops is not None and layer.input_layernorm.ops is not None
@@ -79,8 +79,9 @@ class FusedStep:
             return None
         if ctx.decodes_only:
             chunks = self.no_chunks
-        elif ctx.fresh or ctx.padded.count or len(ctx.in_place) != 1 or ctx.in_place[0].kernel is not self.chunk_kernel:
-            return None  # prompt chunks on SDPA: the Python loop runs those
+        elif (self.chunk_kernel is None or ctx.fresh or ctx.padded.count or len(ctx.in_place) != 1
+              or ctx.in_place[0].kernel is not self.chunk_kernel):
+            return None  # prompt chunks on SDPA (every class below AVX-512 BF16): the Python loop runs those
         else:
             c = ctx.in_place[0]
             chunks = (c.starts, c.lengths, c.cached, c.tables)

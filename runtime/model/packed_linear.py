@@ -9,10 +9,11 @@ instead, chosen per layer at load:
   times every weight). Measured on the embedded model's layers at two threads: 1 row 11 vs 25 ms
   (oneDNN), 30 rows 15-19 vs 24-38 ms, 430 rows 155-200 vs 215-270 ms; the 57 MB LM head for one
   row 1.7 vs 5-6 ms. Used for the LM head too (a copy, when it shares the embedding's weight).
-- AVX-512 BF16 blocks (kernels/bf16_linear.py), on CPUs with those instructions and no AMX (or
-  with AMX switched off): the same idea, one sequential stream per 64 output columns (32 for
-  narrow weights); on a Zen 4 host, every linear of the embedded model once (a decode step's
-  weights) 10 vs 20 ms at 1 row, and ahead of oneDNN up to 256 rows. The LM head too, as with AMX.
+- column blocks (``blocks``, kernels/bf16_linear.py), on every CPU with AVX2 + FMA and no AMX in use
+  (vdpbf16ps with AVX-512 BF16, else bfloat16 widened to float32 in registers): the same idea, one
+  sequential stream per 64 output columns (32 for narrow weights); on a Zen 4 host, every linear of the
+  embedded model once (a decode step's weights) 10 vs 20 ms at 1 row, and ahead of oneDNN up to 256
+  rows. The LM head too, as with AMX.
 - oneDNN's blocked layout elsewhere (as torch.compile's CPU freezing does): a 30-token prefill
   after a cached prefix 86 -> 73 ms, a 430-token prefill 420 -> 320 ms, a batch-64 decode step
   135 -> 117 ms, one thread. float32 gains nothing (tried), so only bfloat16 is packed.
@@ -28,14 +29,14 @@ from torch import nn
 
 from infer.kernels import amx_linear, bf16_linear, hugepages, onednn
 
-KERNELS = ("amx", "avx512bf16", "onednn")  # the packed layouts; "torch" is the plain nn.Linear
+KERNELS = ("amx", "blocks", "onednn")  # the packed layouts; "torch" is the plain nn.Linear
 
 
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, kernel: str = "onednn", module=None, storage: torch.Tensor | None = None):
-        """``kernel``: amx | avx512bf16 (``module``: that kernel's compiled module, which must fit the
+        """``kernel``: amx | blocks (``module``: that kernel's compiled module, which must fit the
         weight's shape) | onednn. ``storage``: uint8 memory of ``packed_nbytes`` for an amx or
-        avx512bf16 weight (a slice of pack_linears' huge-page arena), else its own tensor."""
+        blocks weight (a slice of pack_linears' huge-page arena), else its own tensor."""
         super().__init__()
         if kernel not in KERNELS:
             raise ValueError(f"PackedLinear: kernel {kernel!r}; choose one of {', '.join(KERNELS)}")
@@ -46,8 +47,8 @@ class PackedLinear(nn.Module):
             assert module is not None and amx_linear.fits(weight), "amx: needs the module and a shape it tiles"
             self.packed_weight = _into(amx_linear.pack(weight), storage)
             self.bias = linear.bias
-        elif kernel == "avx512bf16":
-            assert module is not None and bf16_linear.fits(weight), "avx512bf16: needs the module and an even K"
+        elif kernel == "blocks":
+            assert module is not None and bf16_linear.fits(weight), "blocks: needs the module and an even K"
             self.packed_weight = _into(bf16_linear.pack(weight), storage)
             # added in float32 before the one rounding, as oneDNN does
             self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
@@ -58,7 +59,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.kernel == "avx512bf16":
+        if self.kernel == "blocks":
             y = self.module.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), self.packed_weight,
                                         self.out_features, self.bias)
         elif self.kernel == "amx":
@@ -72,7 +73,7 @@ class PackedLinear(nn.Module):
 
 
 def packed_nbytes(weight: torch.Tensor, kernel: str) -> int:
-    """Bytes of ``weight`` in ``kernel``'s layout (amx | avx512bf16), rounded up to a cache line."""
+    """Bytes of ``weight`` in ``kernel``'s layout (amx | blocks), rounded up to a cache line."""
     if kernel == "amx":
         nbytes = weight.numel() * weight.element_size()
     else:
@@ -93,15 +94,15 @@ def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None
 
     ``amx``, ``bf16``: kernels.amx_linear's and kernels.bf16_linear's modules (the kernel resolver's
     choice), or None; oneDNN's layout where ``onednn_ok``. By default each decoder linear takes the
-    first of AMX, AVX-512 BF16 and oneDNN that fits its shape; the LM head takes AMX or AVX-512 BF16
+    first of AMX, column blocks and oneDNN that fits its shape; the LM head takes AMX or blocks
     where one fits (a copy: the embedding keeps its plain weight for lookups) and stays plain
     otherwise, since oneDNN's layout gains nothing there. ``choose(in, out, runnable)``: a tuning
-    table's kernel for a shape (amx | avx512bf16 | onednn | torch) given the kernels this machine can
-    run for it, used where it is one of them. The AMX and AVX-512 BF16 weights, which a decode step
+    table's kernel for a shape (amx | blocks | onednn | torch) given the kernels this machine can
+    run for it, used where it is one of them. The AMX and column-block weights, which a decode step
     streams, share one arena on huge pages (kernels/hugepages.py), in the order a step reads them."""
     def can(linear: nn.Linear) -> dict:
         return {"amx": amx is not None and amx_linear.fits(linear.weight),
-                "avx512bf16": bf16 is not None and bf16_linear.fits(linear.weight), "onednn": onednn_ok,
+                "blocks": bf16 is not None and bf16_linear.fits(linear.weight), "onednn": onednn_ok,
                 "torch": True}
 
     def kernel_for(linear: nn.Linear, order: tuple[str, ...]) -> str:
@@ -116,12 +117,12 @@ def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None
             if type(module) is nn.Linear and module.weight.dtype == torch.bfloat16:
                 parent, _, attr = name.rpartition(".")
                 plan.append((layer.get_submodule(parent) if parent else layer, attr, module,
-                             kernel_for(module, ("amx", "avx512bf16", "onednn", "torch"))))
+                             kernel_for(module, ("amx", "blocks", "onednn", "torch"))))
     head = model.lm_head
     if type(head) is nn.Linear and head.weight.dtype == torch.bfloat16:
-        plan.append((model, "lm_head", head, kernel_for(head, ("amx", "avx512bf16", "torch"))))
+        plan.append((model, "lm_head", head, kernel_for(head, ("amx", "blocks", "torch"))))
     # the streaming kernels' weights in one huge-page arena, in the order a step reads them
-    streamed = [(lin, k) for _, _, lin, k in plan if k in ("amx", "avx512bf16")]
+    streamed = [(lin, k) for _, _, lin, k in plan if k in ("amx", "blocks")]
     sizes = [packed_nbytes(lin.weight, k) for lin, k in streamed]
     memory = hugepages.arena(sum(sizes)) if streamed else None
     slots, offset = {}, 0
@@ -132,7 +133,7 @@ def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None
     for parent, attr, linear, kernel in plan:
         if kernel == "torch":
             continue
-        setattr(parent, attr, PackedLinear(linear, kernel, {"amx": amx, "avx512bf16": bf16}.get(kernel),
+        setattr(parent, attr, PackedLinear(linear, kernel, {"amx": amx, "blocks": bf16}.get(kernel),
                                            slots.get(id(linear))))
         count += 1
     return count

@@ -1,0 +1,84 @@
+"""CPU classes (kernels/isa.py): every class this host can execute is built with its own target and
+checked against float64; a forced class is held to its instructions."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import torch
+
+from infer.kernels import bf16_linear, extension, isa
+
+
+def _classes():
+    """Every class, those above this CPU's skipped with the reason (they cannot execute here)."""
+    native = isa.native_class()
+    top = -1 if native is None else isa.CLASSES.index(native)
+    return [pytest.param(c, marks=pytest.mark.skipif(i > top, reason=f"this CPU's highest class is {native}: "
+                                                                       f"{c} code cannot execute here"))
+            for i, c in enumerate(isa.CLASSES)]
+
+
+def _linear_module(monkeypatch, cls: str):
+    monkeypatch.setenv("INFER_ISA", cls)
+    module = extension.build("infer_bf16_linear", "bf16_linear.cpp", ["-fopenmp"])
+    assert module is not None and module.available(), f"the {cls} build of bf16_linear.cpp failed"
+    return module
+
+
+@pytest.mark.parametrize("cls", _classes())
+def test_each_class_builds_a_column_block_linear_that_matches_float64(monkeypatch, cls, fresh_seed):
+    module = _linear_module(monkeypatch, cls)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    # narrow (32-column blocks) and wide (64) weights, each with a part-full last block; rows that take
+    # the decode tiles (1-3), every prompt tile size and their remainders
+    for n, k in ((96, 192), (130, 96), (1100, 576), (200, 1536)):
+        w = (torch.randn(n, k, generator=gen) * 0.1).to(torch.bfloat16)
+        bias = torch.randn(n, generator=gen)
+        packed = bf16_linear.pack(w)
+        for rows in (1, 2, 3, 5, 8, 11, 16, 49):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            for b in (None, bias):
+                got = module.bf16_linear(x, packed, n, b)
+                want = x.double() @ w.double().t() + (0 if b is None else b.double())
+                # float32 sums rounded once to bfloat16: within bfloat16's rounding of the exact result
+                err = ((got.double() - want).abs() / (want.abs() + 1e-2 * want.abs().max())).max().item()
+                assert got.shape == (rows, n) and err < 1e-2, (cls, n, k, rows, b is not None, err)
+
+
+def test_the_avx2_build_holds_no_avx512_instruction(monkeypatch):
+    if isa.native_class() is None:
+        pytest.skip("this CPU has no AVX2: the avx2 build cannot load here")
+    module = _linear_module(monkeypatch, "avx2")
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", module.__file__], capture_output=True,
+                             text=True, check=True).stdout
+    assert "vfmadd" in listing and "ymm" in listing  # the widening kernel is there, on 256-bit vectors
+    assert "zmm" not in listing and "vdpbf16ps" not in listing
+
+
+def test_a_forced_class_sets_the_target_and_a_class_above_the_cpu_is_refused(monkeypatch):
+    monkeypatch.setenv("INFER_ISA", "avx2")
+    if isa.native_class() is not None:
+        assert isa.active() == "avx2" and isa.compile_flags()[0] == "-march=x86-64-v3"
+        assert not isa.at_least("avx512")
+    monkeypatch.setenv("INFER_ISA", "sse2")
+    with pytest.raises(ValueError, match="choose one of avx2, avx512, avx512bf16, amx"):
+        isa.active()
+    above = [c for c in isa.CLASSES if isa.CLASSES.index(c) > isa.CLASSES.index(isa.native_class() or "avx2")]
+    if above:
+        monkeypatch.setenv("INFER_ISA", above[-1])
+        with pytest.raises(ValueError, match="highest class is"):
+            isa.active()
+    monkeypatch.delenv("INFER_ISA")
+    monkeypatch.setenv("INFER_AMX", "0")
+    assert isa.active() != "amx"
+
+
+def test_the_resolver_names_the_class_it_chose():
+    from infer.kernels.resolver import resolve
+
+    described = resolve("auto", dtype=torch.bfloat16).describe(torch.bfloat16)
+    assert described["isa"] == isa.active()
+    if isa.at_least("avx2"):
+        assert described["linear"] in ("blocks", "amx") and described.get("step_layers") == "cpp", described
