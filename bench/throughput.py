@@ -23,13 +23,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def host_info() -> dict:
-    """Which host a figure comes from: CPU model, AMX and AVX-512 BF16 flags, cores, torch threads."""
+    """Which host a figure comes from: CPU model, the instruction-set flags that decide the kernels, the class
+    the kernels ran as (kernels/isa.py: the CPU's own, or lower where INFER_ISA forced it), cores, torch threads."""
+    from infer.kernels import isa
     from infer.kernels.extension import cpu_flags
 
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                   if line.startswith("model name")), platform.processor() or platform.machine())
     flags = cpu_flags().split()
-    return {"cpu": model, "amx": sorted(f for f in flags if f.startswith("amx")), "avx512_bf16": "avx512_bf16" in flags,
+    shown = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+    return {"cpu": model, "flags": [f for f in shown if f in flags], "amx": sorted(f for f in flags if f.startswith("amx")),
+            "avx512_bf16": "avx512_bf16" in flags, "cpu_class": isa.active(), "native_class": isa.native_class(),
             "cores": len(__import__("os").sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
 
 

@@ -1,9 +1,11 @@
-"""int4 weight-only linears (W4A16) on AVX-512 BF16 (kernels/csrc/int4_linear.cpp).
+"""int4 weight-only linears (W4A16) in 32-column blocks (kernels/csrc/int4_linear.cpp), on every CPU class
+from AVX2 up.
 
 A batch-1 decode step of a W4A16 model reads a quarter of the bytes of its bfloat16 linears; this
-kernel turns the nibbles into ``vdpbf16ps`` operands with one shift and one logic op, so the step
-can go at the speed of those bytes. ``load()`` gives the module only where it can run (the CPU has
-``avx512_bf16`` and the source builds); elsewhere runtime/model/quant_linear.py keeps torch's
+kernel turns the nibbles into ``vdpbf16ps`` operands with one shift and one logic op (AVX-512 BF16), or
+into float32 FMA operands with a few more (AVX-512F, AVX2), so the step can go at the speed of those
+bytes. ``load()`` gives the module only where it can run (the active class, kernels/isa.py, is at
+least ``avx2`` and the source builds); elsewhere runtime/model/quant_linear.py keeps torch's
 ``_weight_int4pack_mm_for_cpu``. ``pack`` lays a weight out once, at load.
 """
 
@@ -13,7 +15,8 @@ from functools import lru_cache
 
 import torch
 
-from .extension import build, cpu_has_avx512_bf16
+from . import isa
+from .extension import build
 
 BLOCK_N = 32  # output columns per weight block (csrc/int4_linear.cpp)
 OFFSET = 136  # the kernel's 128 + u encoding, plus the 8 that makes q = u - 8
@@ -22,7 +25,7 @@ OFFSET = 136  # the kernel's 128 + u encoding, plus the 8 that makes q = u - 8
 @lru_cache(maxsize=1)
 def load() -> object | None:
     """The compiled module (``int4_linear``), or None where it cannot run or be built."""
-    if not cpu_has_avx512_bf16():
+    if not isa.at_least("avx2"):
         return None
     module = build("infer_int4_linear", "int4_linear.cpp", ["-fopenmp"])
     return module if module is not None and module.available() else None

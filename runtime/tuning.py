@@ -62,7 +62,8 @@ class TuningError(ValueError):
 
 
 def hardware() -> dict:
-    """What a table is valid for: the CPU (model, instruction set), cores, torch."""
+    """What a table is valid for: the CPU (model, instruction set, the kernels' class), cores, torch."""
+    from infer.kernels import isa
     from infer.kernels.extension import cpu_flags, cpu_has_avx512_bf16
     from infer.kernels.resolver import cpu_has_amx
 
@@ -74,7 +75,7 @@ def hardware() -> dict:
         pass
     flags = cpu_flags()
     hw = {"cpu": model, "isa": hashlib.sha256(flags.encode()).hexdigest()[:16], "amx": cpu_has_amx(),
-          "avx512_bf16": cpu_has_avx512_bf16(), "cores": len(os.sched_getaffinity(0)),
+          "avx512_bf16": cpu_has_avx512_bf16(), "cpu_class": isa.active(), "cores": len(os.sched_getaffinity(0)),
           "torch": torch.__version__}
     if torch.cuda.is_available():  # only then: a table from a machine without a GPU still matches one without
         hw["gpu"] = torch.cuda.get_device_name()

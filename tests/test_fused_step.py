@@ -153,12 +153,10 @@ def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_arti
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: the model runs its Python layer loop, "
                                           "which every other engine test covers")
 @pytest.mark.parametrize("amx", AMX_MODES)
-@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="the int4 kernel needs AVX-512 BF16: on this class W4A16 runs "
-                                                    "torch's int4 pack in the Python loop (tests/test_quant_runtime.py)")
 @pytest.mark.parametrize("recipe", ["smollm2_135m_gptq", "smollm2_135m_gptq_g32_asym"])
 def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_artifact, cache_dir, recipe, amx):
     """W4A16 (int4 groups of 64, symmetric; of 32 with zero points) of a Qwen2 with q/k/v biases, built by
-    the shipped recipes: the fused step runs the int4 kernel where the layer loop runs Int4Avx512Linear,
+    the shipped recipes: the fused step runs the int4 kernel where the layer loop runs Int4BlocksLinear,
     and gives the same bits."""
     import shutil
 
@@ -183,7 +181,7 @@ def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_a
                              "tune.enabled=false", "eval.enabled=false", *TINY_CALIB], tmp_path / "out", cache_dir).artifact
     llm = LLM(artifact, kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False, amx=amx)
     model = llm.engine.model
-    assert set(quantized_modules(model).values()) == {"cpu-int4-avx512"} and model.dtype == torch.bfloat16
+    assert set(quantized_modules(model).values()) == {"cpu-int4-blocks"} and model.dtype == torch.bfloat16
     fused = model.fused_step
     assert fused is not None
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]

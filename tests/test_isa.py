@@ -47,6 +47,36 @@ def test_each_class_builds_a_column_block_linear_that_matches_float64(monkeypatc
                 assert got.shape == (rows, n) and err < 1e-2, (cls, n, k, rows, b is not None, err)
 
 
+@pytest.mark.parametrize("cls", _classes())
+def test_each_class_builds_an_int4_linear_that_matches_float64(monkeypatch, cls, fresh_seed):
+    from infer.kernels import int4_linear
+
+    monkeypatch.setenv("INFER_ISA", cls)
+    module = extension.build("infer_int4_linear", "int4_linear.cpp", ["-fopenmp"])
+    assert module is not None and module.available(), f"the {cls} build of int4_linear.cpp failed"
+    gen = torch.Generator().manual_seed(fresh_seed)
+    for n, k, group, asym in ((100, 192, 32, True), (576, 576, 64, False), (40, 256, 256, True)):
+        groups = k // group
+        # the code extremes: u = 0 and 15 (q = -8 and 7) in every group, zero points at both ends too
+        q = torch.randint(-8, 8, (n, k), dtype=torch.int8, generator=gen)
+        q[:, ::group], q[:, 1::group] = -8, 7
+        scale = torch.rand(n, groups, generator=gen) * 0.02 + 1e-3
+        zero = torch.randint(-8, 8, (n, groups), dtype=torch.int8, generator=gen) if asym else None
+        if asym:
+            zero[0], zero[1] = -8, 7
+        cols = torch.arange(k) // group
+        w = (q.double() - (zero.double()[:, cols] if asym else 0)) * scale.double()[:, cols]
+        packed, scales, offsets = int4_linear.pack(q, scale, zero)
+        bias = torch.randn(n, generator=gen)
+        for rows in (1, 2, 3, 5, 17):
+            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            got = module.int4_linear(x, packed, scales, offsets, n, bias)
+            want = x.double() @ w.t() + bias.double()
+            magnitude = x.double().abs() @ w.abs().t()
+            err = (got.double() - want).abs()
+            assert (err <= want.abs() * 2.0 ** -7 + magnitude * 2.0 ** -10).all(), (cls, n, k, rows, (err / magnitude).max())
+
+
 def test_the_avx2_build_holds_no_avx512_instruction(monkeypatch):
     if isa.native_class() is None:
         pytest.skip("this CPU has no AVX2: the avx2 build cannot load here")

@@ -93,9 +93,9 @@ def test_int4_linears_on_cuda_run_the_triton_w4a16_gemm(group, asym, act_order):
     assert on_cuda.backend == "triton-w4a16"
     assert make_linear(w, None, torch.float32, device="cpu").backend == int4_cpu_backend()
     odd = _int4_weight(24, 128, group, asym, act_order)  # N not a multiple of cpu-int4's 16-row tile
-    assert make_linear(odd, None, torch.float32, device="cpu", disable=("cpu-int4-avx512",)).backend == "dequant"
+    assert make_linear(odd, None, torch.float32, device="cpu", disable=("cpu-int4-blocks",)).backend == "dequant"
     assert make_linear(odd, None, torch.float32, device="cpu").backend == (  # the AVX-512 kernel pads N
-        "cpu-int4-avx512" if int4_cpu_backend() == "cpu-int4-avx512" else "dequant")
+        "cpu-int4-blocks" if int4_cpu_backend() == "cpu-int4-blocks" else "dequant")
     x = torch.randn(3, 128)
     col = w.g_idx.long() if act_order else torch.arange(128) // group
     q = w.q.double() - (w.zero.double()[:, col] if asym else 0)

@@ -1,4 +1,6 @@
-// int4 weight-only linears (W4A16, grouped scales, symmetric or asymmetric) on AVX-512 BF16.
+// int4 weight-only linears (W4A16, grouped scales, symmetric or asymmetric): on AVX-512 BF16 with
+// vdpbf16ps, else (AVX-512F or AVX2 + FMA, the build's target decides) with the same pairs widened to
+// float32 and FMA.
 //
 // A decode step reads every weight once, so a 4-bit weight is a quarter of a bfloat16 one's
 // bytes; what matters is turning nibbles into products without spending more than the memory
@@ -11,9 +13,14 @@
 // with sum x over the group computed once per row. Products of a bfloat16 x and 128 + u are exact
 // in float32; the sums lose about 4 bits of float32's 24 to the offset, far below the bfloat16
 // output's rounding. Rows go in tiles of 6/4/2/1, each weight load serving every row of the tile.
+//
+// Without vdpbf16ps the pair word (0x4300 | u[2j], 0x4300 | u[2j + 1]) widens as the bfloat16 linears'
+// pairs do: << 16 gives the float32 128 + u[2j], & 0xffff0000 gives 128 + u[2j + 1], each multiplied by
+// x[k] in float32 with FMA: the same sums S, the same correction per group.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "float_storage.h"
 #include "simd_math.h"
 #include "work_split.h"
 
@@ -164,11 +171,173 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 bool available() { return true; }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t BLOCK_N = 32;  // output columns per weight block
+constexpr int64_t kPrefetchBytes = 2048;
+
+#if defined(__AVX512F__)
+using vf = __m512;
+using vi = __m512i;
+constexpr int kLanes = 16;
+inline vi vload_words(const uint32_t* p) { return _mm512_loadu_si512(p); }
+inline vi vwords(uint32_t w) { return _mm512_set1_epi32(static_cast<int>(w)); }
+// (v >> shift) & 0x000F000F | 0x43004300 (truth table 0xEA is (A & B) | C)
+inline vi pair_bits(vi v, int shift, vi nibbles, vi exponent) {
+  return _mm512_ternarylogic_epi32(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)), nibbles, exponent, 0xEA);
+}
+inline vf low_half(vi t) { return _mm512_castsi512_ps(_mm512_slli_epi32(t, 16)); }
+inline vf high_half(vi t, vi high) { return _mm512_castsi512_ps(_mm512_and_si512(t, high)); }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+#else
+using vf = __m256;
+using vi = __m256i;
+constexpr int kLanes = 8;
+inline vi vload_words(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi vwords(uint32_t w) { return _mm256_set1_epi32(static_cast<int>(w)); }
+inline vi pair_bits(vi v, int shift, vi nibbles, vi exponent) {
+  return _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)), nibbles), exponent);
+}
+inline vf low_half(vi t) { return _mm256_castsi256_ps(_mm256_slli_epi32(t, 16)); }
+inline vf high_half(vi t, vi high) { return _mm256_castsi256_ps(_mm256_and_si256(t, high)); }
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int V = BLOCK_N / kLanes;  // vectors a block row
+
+struct Args {
+  const float* x;     // [M, K] float32 (the bfloat16 input, widened exactly)
+  const float* xsum;  // [M, G]: sum of x over each group
+  const uint32_t* w;  // [N/32][K/8][32]
+  const float* scale;  // [N/32][G][32]
+  const float* offset;  // [N/32][G][32]: 136 + z, or nullptr (symmetric: 136)
+  const float* bias;  // [N] or nullptr
+  uint16_t* y;        // [M, N] bfloat16
+  int64_t m, n, k, groups, group_words;
+};
+
+template <int ROWS>
+inline void tile(const Args& a, int64_t blk, int64_t r0) {
+  const int64_t words = a.k / 8;
+  const uint32_t* wb = a.w + blk * words * BLOCK_N;
+  const float* sb = a.scale + blk * a.groups * BLOCK_N;
+  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N : nullptr;
+  const vi nibbles = vwords(0x000F000Fu), exponent = vwords(0x43004300u), high = vwords(0xFFFF0000u);
+  alignas(64) float sym[BLOCK_N];
+  for (int i = 0; i < BLOCK_N; ++i) sym[i] = 136.f;
+  vf y[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) y[r][v] = vzero();
+  for (int64_t g = 0; g < a.groups; ++g) {
+    // the even k and the odd k in separate sums: two dependency chains an accumulator instead of one
+    vf acc[ROWS][V][2];
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = vzero();
+    for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
+      for (int v = 0; v < V; ++v) {
+        const vi w = vload_words(wb + kw * BLOCK_N + v * kLanes);
+        for (int j = 0; j < 4; ++j) {
+          const vi t = pair_bits(w, 4 * j, nibbles, exponent);
+          const vf even = low_half(t), odd = high_half(t, high);
+          for (int r = 0; r < ROWS; ++r) {
+            const float* xr = a.x + (r0 + r) * a.k + 8 * kw + 2 * j;
+            acc[r][v][0] = vfma(vbroadcast(xr), even, acc[r][v][0]);
+            acc[r][v][1] = vfma(vbroadcast(xr + 1), odd, acc[r][v][1]);
+          }
+        }
+      }
+    }
+    const float* off = ob != nullptr ? ob + g * BLOCK_N : sym;
+    for (int v = 0; v < V; ++v) {
+      const vf s = vload(sb + g * BLOCK_N + v * kLanes), o = vload(off + v * kLanes);
+      for (int r = 0; r < ROWS; ++r) {
+        const vf sum = vadd(acc[r][v][0], acc[r][v][1]);
+        y[r][v] = vfma(s, vfnma(o, vbroadcast(a.xsum + (r0 + r) * a.groups + g), sum), y[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < V; ++v) {
+      const int64_t col = blk * BLOCK_N + v * kLanes;
+      if (col >= a.n) break;
+      alignas(64) float out[kLanes];
+      vstore(out, y[r][v]);
+      uint16_t* yr = a.y + (r0 + r) * a.n + col;
+      for (int i = 0; i < kLanes && col + i < a.n; ++i)
+        yr[i] = infer::from_float<at::BFloat16>(out[i] + (a.bias != nullptr ? a.bias[col + i] : 0.f)).x;
+    }
+}
+
+void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
+  constexpr int kTileRows = kLanes == 16 ? 4 : 2;  // 2 x V sums a row: 16 of 32 registers, or 8 of 16
+  for (; r + kTileRows <= r1; r += kTileRows) tile<kTileRows>(a, blk, r);
+  for (; r + 2 <= r1; r += 2) tile<2>(a, blk, r);
+  for (; r < r1; ++r) tile<1>(a, blk, r);
+}
+
+}  // namespace
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
+                          int64_t n, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_linear: x must be a contiguous [M, K] bfloat16 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == BLOCK_N,
+              "int4_linear: the weight must be packed by kernels/int4_linear.py");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 8 == k, "int4_linear: x has ", k, " features, the packed weight ", packed.size(1) * 8);
+  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "int4_linear: ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == blocks && scales.size(2) == BLOCK_N && scales.size(1) > 0 &&
+                  k % (8 * scales.size(1)) == 0,
+              "int4_linear: scales must be float32 [blocks, groups, 32] with K a multiple of 8 x groups");
+  const int64_t groups = scales.size(1);
+  const float* off = nullptr;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "int4_linear: offsets must be float32 of the scales' shape");
+    off = offsets->data_ptr<float>();
+  }
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int4_linear: bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({m, n}, x.options());
+  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  // sum of x over each group, in float32, from the bfloat16 values the products use
+  const torch::Tensor xsum = xf.view({m, groups, k / groups}).sum(-1).contiguous();
+  const Args a{xf.data_ptr<float>(), xsum.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
+               scales.data_ptr<float>(), off, b, reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups,
+               k / groups / 8};
+  infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
+  return y;
+}
+
+bool available() { return true; }
+
 #else
 
 torch::Tensor int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>, int64_t,
                           c10::optional<torch::Tensor>) {
-  TORCH_CHECK(false, "int4_linear: built for a CPU without AVX-512 BF16");
+  TORCH_CHECK(false, "int4_linear: built for a CPU without AVX2 and FMA");
 }
 
 bool available() { return false; }
@@ -177,8 +346,8 @@ bool available() { return false; }
 
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "int4 grouped-weight linear on AVX-512 BF16 over a packed weight (CPU)",
+  m.def("int4_linear", &int4_linear, "int4 grouped-weight linear over a packed weight (CPU: AVX-512 BF16, AVX-512F or AVX2 + FMA)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("available", &available, "whether this build has the AVX-512 BF16 kernel");
+  m.def("available", &available, "whether this build has the int4 kernel (its target has AVX2 + FMA at least)");
 }
 #endif

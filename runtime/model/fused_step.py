@@ -33,7 +33,7 @@ class FusedStep:
         none = torch.empty(0)
 
         def slots(linear) -> list[torch.Tensor]:  # step_layers.cpp's LINEAR_SLOTS
-            if getattr(linear, "backend", None) == "cpu-int4-avx512":
+            if getattr(linear, "backend", None) == "cpu-int4-blocks":
                 return [linear.packed, linear.scales, none if linear.offsets is None else linear.offsets]
             return [linear.packed_weight, none, none]
 
@@ -56,10 +56,10 @@ class FusedStep:
         The resolver keeps ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
         from .llama import Block
         from .packed_linear import PackedLinear
-        from .quant_linear import Int4Avx512Linear
+        from .quant_linear import Int4BlocksLinear
 
         def fast(linear) -> bool:
-            if type(linear) is Int4Avx512Linear:
+            if type(linear) is Int4BlocksLinear:
                 return linear.perm is None
             return type(linear) is PackedLinear and linear.kernel in ("blocks", "amx")
 

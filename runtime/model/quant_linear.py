@@ -6,10 +6,10 @@ anything with ``name``, ``supports(w, device)`` and ``build(w, bias, dtype)``; `
 puts a new one (a Triton GPU kernel, say) first.
 
 CPU backends here, fastest first:
-- ``cpu-int4-avx512``: kernels/csrc/int4_linear.cpp on CPUs with AVX-512 BF16: int4 grouped weights
-  (symmetric or asymmetric, any group size dividing K into multiples of 8, activation order as
-  below) packed once at load, nibbles turned into ``vdpbf16ps`` operands in registers, float32 sums,
-  bfloat16 output;
+- ``cpu-int4-blocks``: kernels/csrc/int4_linear.cpp on every CPU class from AVX2 up: int4 grouped
+  weights (symmetric or asymmetric, any group size dividing K into multiples of 8, activation order as
+  below) packed once at load in 32-column blocks, nibbles turned into ``vdpbf16ps`` operands (AVX-512
+  BF16) or float32 FMA operands (AVX-512F, AVX2) in registers, float32 sums, bfloat16 output;
 - ``cpu-int4``: ``aten._weight_int4pack_mm_for_cpu`` (run in bfloat16) on weights packed once at load by
   ``_convert_weight_to_int4pack_for_cpu`` (int4, groups of 32..256; symmetric or asymmetric;
   activation order handled by permuting the weight's columns at load and the input at run time);
@@ -137,11 +137,11 @@ class Int4PackLinear(QuantLinear):
         return y.to(x.dtype)
 
 
-class Int4Avx512Linear(QuantLinear):
-    """int4 grouped weights packed once for kernels/csrc/int4_linear.cpp (AVX-512 BF16): a decode step
+class Int4BlocksLinear(QuantLinear):
+    """int4 grouped weights packed once for kernels/csrc/int4_linear.cpp (any class from AVX2): a decode step
     reads 4 bits a weight plus one float32 scale (and offset, if asymmetric) a group. Computes in
     bfloat16 like ``Int4PackLinear``; the sums are float32 and the output is rounded once."""
-    backend = "cpu-int4-avx512"
+    backend = "cpu-int4-blocks"
 
     def __init__(self, w: QuantWeight, bias, dtype):
         from infer.kernels import int4_linear
@@ -171,7 +171,7 @@ class Int4Avx512Linear(QuantLinear):
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
-def _int4_avx512(w: QuantWeight, device: torch.device) -> bool:
+def _int4_blocks(w: QuantWeight, device: torch.device) -> bool:
     from infer.kernels import int4_linear
 
     return (_cpu(device) and w.inputs is None and w.weights.type == "int" and w.weights.num_bits == 4 and
@@ -327,7 +327,7 @@ _INT8 = _has("_weight_int8pack_mm")
 
 BACKENDS: list = [
     _Backend("triton-w4a16", TritonW4A16Linear, _triton_w4a16),
-    _Backend("cpu-int4-avx512", Int4Avx512Linear, _int4_avx512),
+    _Backend("cpu-int4-blocks", Int4BlocksLinear, _int4_blocks),
     _Backend("cpu-int4", Int4PackLinear, lambda w, d: _cpu(d) and _INT4 and w.inputs is None and
              w.weights.type == "int" and w.weights.num_bits == 4 and w.scale.shape[1] > 1 and
              w.group_size in (32, 64, 128, 256) and w.in_features % w.group_size == 0 and
@@ -344,15 +344,15 @@ BACKENDS: list = [
 ]
 
 
-INT4_CPU_BACKENDS = ("cpu-int4-avx512", "cpu-int4")
+INT4_CPU_BACKENDS = ("cpu-int4-blocks", "cpu-int4")
 
 
 def int4_cpu_backend() -> str:
-    """The backend an int4 grouped layer gets on this CPU: ``cpu-int4-avx512`` where that kernel loads
+    """The backend an int4 grouped layer gets on this CPU: ``cpu-int4-blocks`` where that kernel loads
     (AVX-512 BF16), else ``cpu-int4`` (torch's int4 pack); tests and benchmarks ask here."""
     from infer.kernels import int4_linear
 
-    return "cpu-int4-avx512" if int4_linear.load() is not None else "cpu-int4"
+    return "cpu-int4-blocks" if int4_linear.load() is not None else "cpu-int4"
 
 
 def register_backend(backend: LinearBackend, first: bool = True) -> None:
