@@ -15,7 +15,7 @@ Tolerances, and why:
   transformers, so logits agree to float32 rounding (max |diff| <= 1e-4 x the logit scale). The
   fused RMSNorm sums its squares in another order (tests/test_layer_ops.py); through the
   dynamic-activation schemes that is one more source of rounding flips, covered below.
-- weight-only int4 (``cpu-int4-blocks`` on AVX-512 BF16 CPUs, ``cpu-int4`` elsewhere, and forced on
+- weight-only int4 (``cpu-int4-blocks`` on every CPU class from AVX2, ``cpu-int4`` elsewhere, and forced on
   those CPUs too): the kernel runs in bfloat16 (8 mantissa bits on activations and
   scales, float32 accumulation), and by default so does the rest of the model (W4A16). Its error
   budget is what bfloat16 computation of the same quantized model costs: the reference arithmetic
