@@ -29,6 +29,7 @@
 #include "work_split.h"
 
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -242,10 +243,14 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
                 "bf16_linear: bias must be a contiguous float32 [N] tensor");
     b = bias->data_ptr<float>();
   }
-  // x widened once (exact), so that the tiles broadcast float32 straight from memory
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  // x widened once (exact), so that the tiles broadcast float32 straight from memory (a plain loop: a torch
+  // op's dispatch would cost a decode step's small linears a good share of their time)
+  std::vector<float> xf(m * k);
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
   auto y = torch::empty({m, n}, x.options());
-  const float* xp = xf.data_ptr<float>();
+  const float* xp = xf.data();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t block_elems = pairs * width * 2;

@@ -14,9 +14,11 @@
 // in float32; the sums lose about 4 bits of float32's 24 to the offset, far below the bfloat16
 // output's rounding. Rows go in tiles of 6/4/2/1, each weight load serving every row of the tile.
 //
-// Without vdpbf16ps the pair word (0x4300 | u[2j], 0x4300 | u[2j + 1]) widens as the bfloat16 linears'
-// pairs do: << 16 gives the float32 128 + u[2j], & 0xffff0000 gives 128 + u[2j + 1], each multiplied by
-// x[k] in float32 with FMA: the same sums S, the same correction per group.
+// Without vdpbf16ps a nibble is masked in place and converted as an integer: word & (15 << 4j) is
+// u[2j] 16^j, and (word >> 16) & (15 << 4j) is u[2j + 1] 16^j, each multiplied with FMA by x[k] 16^-j
+// (scaled once per call; exact, as is every product). The sums are then S' = sum u x, with no 128
+// offset, and y += s (S' - (8 + z) sum x) per group: two integer ops a vector of products, where the
+// exponent trick above would take five without ternary logic.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -185,18 +187,16 @@ using vi = __m512i;
 constexpr int kLanes = 16;
 inline vi vload_words(const uint32_t* p) { return _mm512_loadu_si512(p); }
 inline vi vwords(uint32_t w) { return _mm512_set1_epi32(static_cast<int>(w)); }
-// (v >> shift) & 0x000F000F | 0x43004300 (truth table 0xEA is (A & B) | C)
-inline vi pair_bits(vi v, int shift, vi nibbles, vi exponent) {
-  return _mm512_ternarylogic_epi32(_mm512_srl_epi32(v, _mm_cvtsi32_si128(shift)), nibbles, exponent, 0xEA);
-}
-inline vf low_half(vi t) { return _mm512_castsi512_ps(_mm512_slli_epi32(t, 16)); }
-inline vf high_half(vi t, vi high) { return _mm512_castsi512_ps(_mm512_and_si512(t, high)); }
 inline vf vzero() { return _mm512_setzero_ps(); }
 inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vi vsrl16(vi v) { return _mm512_srli_epi32(v, 16); }
+inline vf vsub128(vf v) { return _mm512_sub_ps(v, _mm512_set1_ps(128.f)); }
+inline vi vand(vi a, vi b) { return _mm512_and_si512(a, b); }
+inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 #else
 using vf = __m256;
@@ -204,20 +204,20 @@ using vi = __m256i;
 constexpr int kLanes = 8;
 inline vi vload_words(const uint32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi vwords(uint32_t w) { return _mm256_set1_epi32(static_cast<int>(w)); }
-inline vi pair_bits(vi v, int shift, vi nibbles, vi exponent) {
-  return _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi32(v, _mm_cvtsi32_si128(shift)), nibbles), exponent);
-}
-inline vf low_half(vi t) { return _mm256_castsi256_ps(_mm256_slli_epi32(t, 16)); }
-inline vf high_half(vi t, vi high) { return _mm256_castsi256_ps(_mm256_and_si256(t, high)); }
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vi vsrl16(vi v) { return _mm256_srli_epi32(v, 16); }
+inline vf vsub128(vf v) { return _mm256_sub_ps(v, _mm256_set1_ps(128.f)); }
+inline vi vand(vi a, vi b) { return _mm256_and_si256(a, b); }
+inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 #endif
 constexpr int V = BLOCK_N / kLanes;  // vectors a block row
+constexpr float kNibbleScale[4] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096};  // 16^-j, exact
 
 struct Args {
   const float* x;     // [M, K] float32 (the bfloat16 input, widened exactly)
@@ -236,7 +236,6 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N;
   const float* sb = a.scale + blk * a.groups * BLOCK_N;
   const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N : nullptr;
-  const vi nibbles = vwords(0x000F000Fu), exponent = vwords(0x43004300u), high = vwords(0xFFFF0000u);
   alignas(64) float sym[BLOCK_N];
   for (int i = 0; i < BLOCK_N; ++i) sym[i] = 136.f;
   vf y[ROWS][V];
@@ -250,22 +249,28 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
     for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
       _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
+      vi lo[V], hi[V];  // the even k's nibbles at bits 4j, and (shifted down once) the odd k's
       for (int v = 0; v < V; ++v) {
-        const vi w = vload_words(wb + kw * BLOCK_N + v * kLanes);
-        for (int j = 0; j < 4; ++j) {
-          const vi t = pair_bits(w, 4 * j, nibbles, exponent);
-          const vf even = low_half(t), odd = high_half(t, high);
-          for (int r = 0; r < ROWS; ++r) {
-            const float* xr = a.x + (r0 + r) * a.k + 8 * kw + 2 * j;
-            acc[r][v][0] = vfma(vbroadcast(xr), even, acc[r][v][0]);
-            acc[r][v][1] = vfma(vbroadcast(xr + 1), odd, acc[r][v][1]);
+        lo[v] = vload_words(wb + kw * BLOCK_N + v * kLanes);
+        hi[v] = vsrl16(lo[v]);
+      }
+      for (int j = 0; j < 4; ++j) {
+        const vi mask = vwords(0xFu << (4 * j));
+        for (int r = 0; r < ROWS; ++r) {
+          // x scaled by 16^-j (exact), so that u 16^j, the masked nibble read as an integer, needs no shift
+          const float* xr = a.x + (r0 + r) * a.k + 8 * kw + 2 * j;
+          const vf xe = vbroadcast(xr), xo = vbroadcast(xr + 1);
+          for (int v = 0; v < V; ++v) {
+            acc[r][v][0] = vfma(xe, vcvt(vand(lo[v], mask)), acc[r][v][0]);
+            acc[r][v][1] = vfma(xo, vcvt(vand(hi[v], mask)), acc[r][v][1]);
           }
         }
       }
     }
     const float* off = ob != nullptr ? ob + g * BLOCK_N : sym;
     for (int v = 0; v < V; ++v) {
-      const vf s = vload(sb + g * BLOCK_N + v * kLanes), o = vload(off + v * kLanes);
+      // the sums hold x u (no 128 + u here): the offset 136 + z less 128
+      const vf s = vload(sb + g * BLOCK_N + v * kLanes), o = vsub128(vload(off + v * kLanes));
       for (int r = 0; r < ROWS; ++r) {
         const vf sum = vadd(acc[r][v][0], acc[r][v][1]);
         y[r][v] = vfma(s, vfnma(o, vbroadcast(a.xsum + (r0 + r) * a.groups + g), sum), y[r][v]);
@@ -321,12 +326,24 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     b = bias->data_ptr<float>();
   }
   auto y = torch::empty({m, n}, x.options());
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
-  // sum of x over each group, in float32, from the bfloat16 values the products use
-  const torch::Tensor xsum = xf.view({m, groups, k / groups}).sum(-1).contiguous();
-  const Args a{xf.data_ptr<float>(), xsum.data_ptr<float>(), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
+  // x widened once (exact), and its sum over each group: plain loops, since a torch op's dispatch alone
+  // would cost a decode step's linear a good share of its time
+  const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  const int64_t group_size = k / groups;
+  std::vector<float> xf(m * k), xsum(m * groups);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      float t = 0.f;
+      for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+        const float v = infer::to_float(xp[r * k + i]);
+        t += v;
+        xf[r * k + i] = v * kNibbleScale[(i % 8) / 2];  // k = 8 kw + 2j (+1): nibble j sits at bits 4j
+      }
+      xsum[r * groups + g] = t;
+    }
+  const Args a{xf.data(), xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
                scales.data_ptr<float>(), off, b, reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups,
-               k / groups / 8};
+               group_size / 8};
   infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
   return y;
 }
