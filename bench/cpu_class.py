@@ -3,7 +3,7 @@
 Per round, for each artifact: the read bandwidth (a 1 GiB ``sum``) and the arithmetic peak (a
 register-only loop of the instruction the class's linears multiply with, kernels/csrc/peak.cpp), then
 batch-1 decode (a 128-token prompt; N tokens minus 1 token, over N - 1) and the prefill of a fresh
-256-token prompt (prefix caching off). Decode is set against that round's bandwidth floor (the bytes
+256-token prompt (prefix caching off; after one untimed prefill of another, as a running server has had). Decode is set against that round's bandwidth floor (the bytes
 a step reads / bandwidth), prefill against that round's peak, with
 
     FLOPs = 2 x decoder linear parameters x T + causal attention 2 x 2 x layers x heads x head_dim x T(T+1)/2
@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
         probes["read_gb_s"].append(bandwidth / 1e9)
         probes["peak_gflop_s"].append(peak / 1e9)
         order = list(engines) if r % 2 == 0 else list(reversed(engines))
-        prompt, prefill = _prompt(vocab, PROMPT, r), _prompt(vocab, PREFILL, 1000 + r)
+        prompt, prefill, warm_prefill = _prompt(vocab, PROMPT, r), _prompt(vocab, PREFILL, 1000 + r), _prompt(vocab, PREFILL, 2000 + r)
         for name in order:
             e, row = engines[name], rows[name]
             llm = e["llm"]
@@ -120,9 +120,10 @@ def main(argv=None) -> dict:
                 assert len(out.token_ids) == n
                 return time.perf_counter() - start
 
-            timed(prompt, 2)  # warm
+            timed(prompt, 2)  # warm: the first steps of a size allocate (and fault in) their buffers
             one, many = timed(prompt, 1), timed(prompt, DECODE_TOKENS)
             decode = (DECODE_TOKENS - 1) / (many - one)
+            timed(warm_prefill, 1)
             fill = PREFILL / timed(prefill, 1)
             row["decode"].append(decode)
             row["prefill"].append(fill)
