@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     from infer.runtime import LLM, SamplingParams
 
     from .single import read_bandwidth, weight_bytes
-    from .throughput import host_info
+    from .throughput import host_info, save_json
 
     peak_module = build("infer_peak", "peak.cpp", ["-fopenmp"])
     threads = torch.get_num_threads()
@@ -164,9 +164,7 @@ def main(argv=None) -> dict:
         lc = result["llama_cpp"]
         print(f"{'llama.cpp ' + args.gguf.name:40s} decode {lc['decode']['median']:6.1f} tok/s"
               f"{'':17s}prefill {lc['prefill']['median']:6.0f} tok/s")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"saved {args.json}")
+    save_json(result, args.json)
     return result
 
 
