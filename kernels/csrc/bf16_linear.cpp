@@ -31,6 +31,36 @@
 #include <cstdint>
 #include <vector>
 
+namespace {
+
+// What both instruction-set paths below check before reading anything: the shapes and dtypes
+// kernels/bf16_linear.py packs; the bias's data, or nullptr.
+struct Bf16Inputs {
+  int64_t m, k, pairs, blocks, width;
+  const float* bias;
+};
+inline Bf16Inputs check_bf16_inputs(const torch::Tensor& x, const torch::Tensor& packed, int64_t n,
+                                    const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              "bf16_linear: x must be a [M, K] bfloat16 tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  (packed.size(2) == 64 || packed.size(2) == 32) && packed.size(3) == 2,
+              "bf16_linear: the weight must be packed by kernels/bf16_linear.py");
+  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0), width = packed.size(2);
+  TORCH_CHECK(k == 2 * pairs, "bf16_linear: x has ", k, " features, the packed weight ", 2 * pairs);
+  TORCH_CHECK(n > (blocks - 1) * width && n <= blocks * width, "bf16_linear: ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "bf16_linear: bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  return {m, k, pairs, blocks, width, b};
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -94,21 +124,9 @@ inline void rows_of_block(const uint16_t* x, int64_t ldx, int64_t pairs, const u
 // x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K/2, W, 2] with W 64 or 32 (kernels/bf16_linear.py);
 // bias: float32 [N] or None. Returns [M, N] bfloat16.
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "bf16_linear: x must be a [M, K] bfloat16 tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  (packed.size(2) == 64 || packed.size(2) == 32) && packed.size(3) == 2,
-              "bf16_linear: the weight must be packed by kernels/bf16_linear.py");
-  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0), width = packed.size(2);
-  TORCH_CHECK(k == 2 * pairs, "bf16_linear: x has ", k, " features, the packed weight ", 2 * pairs);
-  TORCH_CHECK(n > (blocks - 1) * width && n <= blocks * width, "bf16_linear: ", n,
-              " output features do not match the packed weight's ", blocks, " blocks");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "bf16_linear: bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
+  const int64_t m = in.m, k = in.k, pairs = in.pairs, blocks = in.blocks, width = in.width;
+  const float* b = in.bias;
   auto y = torch::empty({m, n}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -228,21 +246,9 @@ inline void rows_of_block(const float* xf, int64_t k, int64_t pairs, const uint1
 }  // namespace
 
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
-              "bf16_linear: x must be a [M, K] bfloat16 tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  (packed.size(2) == 64 || packed.size(2) == 32) && packed.size(3) == 2,
-              "bf16_linear: the weight must be packed by kernels/bf16_linear.py");
-  const int64_t m = x.size(0), k = x.size(1), pairs = packed.size(1), blocks = packed.size(0), width = packed.size(2);
-  TORCH_CHECK(k == 2 * pairs, "bf16_linear: x has ", k, " features, the packed weight ", 2 * pairs);
-  TORCH_CHECK(n > (blocks - 1) * width && n <= blocks * width, "bf16_linear: ", n,
-              " output features do not match the packed weight's ", blocks, " blocks");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "bf16_linear: bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
+  const int64_t m = in.m, k = in.k, pairs = in.pairs, blocks = in.blocks, width = in.width;
+  const float* b = in.bias;
   // x widened once (exact), so that the tiles broadcast float32 straight from memory (a plain loop: a torch
   // op's dispatch would cost a decode step's small linears a good share of their time)
   std::vector<float> xf(m * k);

@@ -30,6 +30,49 @@
 #include <cstring>
 #include <vector>
 
+namespace {
+
+// What both instruction-set paths below check before reading anything: the shapes and dtypes
+// kernels/int4_linear.py packs (blocks of 32 columns); the offsets' and bias's data, or nullptr.
+struct Int4Inputs {
+  int64_t m, k, blocks, groups;
+  const float* offsets;
+  const float* bias;
+};
+inline Int4Inputs check_int4_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                    const c10::optional<torch::Tensor>& offsets, int64_t n,
+                                    const c10::optional<torch::Tensor>& bias) {
+  constexpr int64_t BLOCK_N = 32;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_linear: x must be a contiguous [M, K] bfloat16 tensor");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == BLOCK_N,
+              "int4_linear: the weight must be packed by kernels/int4_linear.py");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
+  TORCH_CHECK(packed.size(1) * 8 == k, "int4_linear: x has ", k, " features, the packed weight ", packed.size(1) * 8);
+  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "int4_linear: ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  scales.size(0) == blocks && scales.size(2) == BLOCK_N && scales.size(1) > 0 &&
+                  k % (8 * scales.size(1)) == 0,
+              "int4_linear: scales must be float32 [blocks, groups, 32] with K a multiple of 8 x groups");
+  const int64_t groups = scales.size(1);
+  const float* off = nullptr;
+  if (offsets.has_value()) {
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
+                "int4_linear: offsets must be float32 of the scales' shape");
+    off = offsets->data_ptr<float>();
+  }
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "int4_linear: bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  return {m, k, blocks, groups, off, b};
+}
+
+}  // namespace
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
@@ -119,31 +162,9 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
 // [ceil(N/32), G, 32] float32 (kernels/int4_linear.py); bias: float32 [N] or None. Returns [M, N] bfloat16.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                           int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int4_linear: x must be a contiguous [M, K] bfloat16 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == BLOCK_N,
-              "int4_linear: the weight must be packed by kernels/int4_linear.py");
-  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 8 == k, "int4_linear: x has ", k, " features, the packed weight ", packed.size(1) * 8);
-  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "int4_linear: ", n,
-              " output features do not match the packed weight's ", blocks, " blocks");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == blocks && scales.size(2) == BLOCK_N && scales.size(1) > 0 &&
-                  k % (8 * scales.size(1)) == 0,
-              "int4_linear: scales must be float32 [blocks, groups, 32] with K a multiple of 8 x groups");
-  const int64_t groups = scales.size(1);
-  const float* off = nullptr;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "int4_linear: offsets must be float32 of the scales' shape");
-    off = offsets->data_ptr<float>();
-  }
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "int4_linear: bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const Int4Inputs in = check_int4_inputs(x, packed, scales, offsets, n, bias);
+  const int64_t m = in.m, k = in.k, blocks = in.blocks, groups = in.groups;
+  const float *off = in.offsets, *b = in.bias;
   auto y = torch::empty({m, n}, x.options());
   // sum of x over each group, in float32, from the bfloat16 values the products use
   std::vector<float> xsum(m * groups);
@@ -300,31 +321,9 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
                           int64_t n, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "int4_linear: x must be a contiguous [M, K] bfloat16 tensor");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == BLOCK_N,
-              "int4_linear: the weight must be packed by kernels/int4_linear.py");
-  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0);
-  TORCH_CHECK(packed.size(1) * 8 == k, "int4_linear: x has ", k, " features, the packed weight ", packed.size(1) * 8);
-  TORCH_CHECK(n > (blocks - 1) * BLOCK_N && n <= blocks * BLOCK_N, "int4_linear: ", n,
-              " output features do not match the packed weight's ", blocks, " blocks");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
-                  scales.size(0) == blocks && scales.size(2) == BLOCK_N && scales.size(1) > 0 &&
-                  k % (8 * scales.size(1)) == 0,
-              "int4_linear: scales must be float32 [blocks, groups, 32] with K a multiple of 8 x groups");
-  const int64_t groups = scales.size(1);
-  const float* off = nullptr;
-  if (offsets.has_value()) {
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == scales.sizes(),
-                "int4_linear: offsets must be float32 of the scales' shape");
-    off = offsets->data_ptr<float>();
-  }
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "int4_linear: bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const Int4Inputs in = check_int4_inputs(x, packed, scales, offsets, n, bias);
+  const int64_t m = in.m, k = in.k, blocks = in.blocks, groups = in.groups;
+  const float *off = in.offsets, *b = in.bias;
   auto y = torch::empty({m, n}, x.options());
   // x widened once (exact), and its sum over each group: plain loops, since a torch op's dispatch alone
   // would cost a decode step's linear a good share of its time
