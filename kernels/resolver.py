@@ -25,7 +25,6 @@ the default to False for a whole process.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,7 +93,8 @@ def _chunk_kernel_name(kernel: Callable | None) -> str:
 
 def _amx_wanted(amx: bool | None) -> bool:
     if amx is None:
-        amx = os.environ.get("INFER_AMX", "1") != "0" and cpu_has_amx()
+        amx = cpu_has_amx()  # the active class (kernels/isa.py) is amx: the CPU has it and neither
+        # INFER_ISA nor INFER_AMX=0 holds it lower
     if amx and not cpu_has_amx():
         raise RuntimeError(f"amx=True but AMX is not in use: the CPU class is {isa.active()} (this CPU has no AMX "
                            "tiles, or INFER_ISA / INFER_AMX=0 holds it lower); use amx=None")

@@ -33,6 +33,11 @@
 
 namespace {
 
+// How far ahead of its loads a tile prefetches its block (both paths below): the hardware prefetcher alone
+// kept a batch-1 sweep of the embedded model's 121 linears at 0.70 of a `sum`'s read bandwidth on a 2-core Xeon with AMX; 512 B ahead
+// gave 0.83, 1 KiB 0.86, 2 KiB 0.91, 4 KiB 0.86 (2 threads, rounds alternated).
+constexpr int64_t kPrefetchBytes = 2048;
+
 // What both instruction-set paths below check before reading anything: the shapes and dtypes
 // kernels/bf16_linear.py packs; the bias's data, or nullptr.
 struct Bf16Inputs {
@@ -65,11 +70,6 @@ inline Bf16Inputs check_bf16_inputs(const torch::Tensor& x, const torch::Tensor&
 #include <immintrin.h>
 
 namespace {
-
-// How far ahead of its loads a tile prefetches its block: the hardware prefetcher alone kept a batch-1 sweep
-// of the embedded model's 121 linears at 0.70 of a `sum`'s read bandwidth on a 2-core Xeon with AMX; 512 B ahead
-// gave 0.83, 1 KiB 0.86, 2 KiB 0.91, 4 KiB 0.86 (2 threads, rounds alternated).
-constexpr int64_t kPrefetchBytes = 2048;
 
 inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
@@ -149,7 +149,6 @@ bool available() { return true; }
 
 namespace {
 
-constexpr int64_t kPrefetchBytes = 2048;  // as the AVX-512 BF16 path above
 
 // The vector of this build: 16 float32 lanes with AVX-512F, 8 with AVX2.
 #if defined(__AVX512F__)

@@ -32,6 +32,13 @@
 
 namespace {
 
+constexpr int64_t BLOCK_N = 32;  // output columns per weight block
+
+// How far ahead of its loads a tile prefetches its block (both paths below, as bf16_linear.cpp does): a
+// batch-1 sweep of the embedded model's 120 decoder shapes in int4 went from 0.63 of a `sum`'s read bandwidth to 0.68
+// (512 B ahead), 0.72 (1 KiB), 0.77 (2 KiB) on a 2-core Xeon with AMX (rounds alternated).
+constexpr int64_t kPrefetchBytes = 2048;
+
 // What both instruction-set paths below check before reading anything: the shapes and dtypes
 // kernels/int4_linear.py packs (blocks of 32 columns); the offsets' and bias's data, or nullptr.
 struct Int4Inputs {
@@ -42,7 +49,6 @@ struct Int4Inputs {
 inline Int4Inputs check_int4_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                     const c10::optional<torch::Tensor>& offsets, int64_t n,
                                     const c10::optional<torch::Tensor>& bias) {
-  constexpr int64_t BLOCK_N = 32;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "int4_linear: x must be a contiguous [M, K] bfloat16 tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.is_contiguous() && packed.size(2) == BLOCK_N,
@@ -78,8 +84,6 @@ inline Int4Inputs check_int4_inputs(const torch::Tensor& x, const torch::Tensor&
 
 namespace {
 
-constexpr int64_t BLOCK_N = 32;       // output columns per weight block (2 x 16 lanes)
-
 struct Args {
   const uint16_t* x;  // [M, K] bfloat16
   const float* xsum;  // [M, G]: sum of x over each group
@@ -90,11 +94,6 @@ struct Args {
   uint16_t* y;        // [M, N] bfloat16
   int64_t m, n, k, groups, group_words;
 };
-
-// How far ahead of its loads a tile prefetches its block (as bf16_linear.cpp does): a batch-1 sweep of
-// the embedded model's 120 decoder shapes in int4 went from 0.63 of a `sum`'s read bandwidth to 0.68
-// (512 B ahead), 0.72 (1 KiB), 0.77 (2 KiB) on a 2-core Xeon with AMX (rounds alternated).
-constexpr int64_t kPrefetchBytes = 2048;
 
 inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
@@ -198,9 +197,6 @@ bool available() { return true; }
 #include <immintrin.h>
 
 namespace {
-
-constexpr int64_t BLOCK_N = 32;  // output columns per weight block
-constexpr int64_t kPrefetchBytes = 2048;
 
 #if defined(__AVX512F__)
 using vf = __m512;
