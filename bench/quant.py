@@ -120,7 +120,8 @@ def llmcompressor_direct(src: Path, out: Path, samples: int, seq_len: int) -> No
     from llmcompressor.modifiers.gptq import GPTQModifier
 
     from infer.pipeline.config import compose_recipe
-    from infer.pipeline.quantize import COPIED_FILES, calibration_windows
+    from infer.pipeline.quantize import calibration_windows
+    from infer.pipeline.stage import copy_carried_files
 
     cfg = compose_recipe(["recipe=smollm2_135m_gptq", f"calib.samples={samples}", f"calib.seq_len={seq_len}"])
     windows, _ = calibration_windows(cfg, src)
@@ -134,9 +135,7 @@ def llmcompressor_direct(src: Path, out: Path, samples: int, seq_len: int) -> No
     oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=len(windows), max_seq_length=seq_len,
             shuffle_calibration_samples=False)
     model.save_pretrained(out, save_compressed=True)
-    for name in COPIED_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+    copy_carried_files(src, out)
     config = json.loads((out / "config.json").read_text())
     config.setdefault("rope_theta", json.loads((src / "config.json").read_text()).get("rope_theta"))
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

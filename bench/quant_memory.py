@@ -25,6 +25,8 @@ import threading
 import time
 from pathlib import Path
 
+from infer.runtime.artifact import INDEX
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -79,7 +81,7 @@ def write_checkpoint(out: Path, c: dict) -> int:
             weight_map[t] = name
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         del tensors
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=1))
     (out / "config.json").write_text(json.dumps(c, indent=1))
     return total

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from infer.runtime.artifact import INDEX
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # Llama-3.2-3B's shape (tied embeddings)
@@ -112,7 +114,7 @@ def write_checkpoint(path: Path, layers: int, shard_bytes: int = 2 << 30) -> dic
             writer.write(n, t)
             weight_map[n] = file
         writer.close()
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return shapes
 
 

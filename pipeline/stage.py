@@ -27,7 +27,7 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
-from infer.runtime.artifact import MANIFEST
+from infer.runtime.artifact import MANIFEST, TOKENIZER_FILES
 
 log = logging.getLogger("infer.build")
 
@@ -35,6 +35,10 @@ log = logging.getLogger("infer.build")
 class BuildError(Exception):
     """A build that cannot go on; the message says why and what to do."""
 DONE = "_stage.json"
+# What every stage carries from its input checkpoint to its output, byte for byte: the tokenizer files,
+# and transformers' special_tokens_map.json, which nothing here reads and no artifact carries, kept so
+# that each stage's checkpoint holds its source's files.
+CARRIED_FILES = (*TOKENIZER_FILES, "special_tokens_map.json")
 PAUSE_ENV = "INFER_TEST_PAUSE_AT"
 
 
@@ -116,6 +120,13 @@ def link_tree(src: Path, dst: Path, with_manifest: bool = False) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         link_file(p, target)
     return dst
+
+
+def copy_carried_files(src: Path, out: Path) -> None:
+    """The CARRIED_FILES that ``src`` has, copied into ``out``."""
+    for name in CARRIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
 
 
 def link_file(src: Path, dst: Path) -> None:

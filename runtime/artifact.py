@@ -20,12 +20,21 @@ from pathlib import Path
 
 FORMAT = "infer-artifact"
 FORMAT_VERSION = 1
+# The name of each file an artifact carries besides its weights (*.safetensors), declared here once:
+# the build writes them (pipeline/), the runtime reads them.
 MANIFEST = "manifest.json"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+CHAT_TEMPLATE = "chat_template.jinja"  # where transformers 5 saves the chat template
 INDEX = "model.safetensors.index.json"
-# Files the runtime opens by name when they exist (tokenizer, chat template, weights index): each
-# one present must be a file the manifest lists, so nothing unverified is ever read.
-RUNTIME_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
-                 "chat_template.jinja", INDEX)
+# tensor-parallel artifacts: the rank files' layout, its format and version (pipeline/shard.py)
+LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION = "tensor_parallel.json", "infer-tensor-parallel", 1
+# What the tokenizer is made of (runtime/engine/tokenizer.py reads them).
+TOKENIZER_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json", CHAT_TEMPLATE)
+# Every file an artifact carries by name, the ones the package stage takes from a checkpoint beside its
+# weights. The runtime opens each by name when it exists, so each one present must be a file the
+# manifest lists: nothing unverified is ever read.
+ARTIFACT_FILES = (CONFIG, *TOKENIZER_FILES, INDEX, LAYOUT_FILE)
 
 
 class ArtifactError(Exception):
@@ -181,19 +190,19 @@ def verify_artifact(path: str | Path) -> Artifact:
     extra = [rel for rel in _walk_entries(root) if rel != MANIFEST and rel not in files]
     if extra:
         raise ArtifactError(f"{root / extra[0]}: not listed in the manifest (an unexpected file); remove it or {rebuild}")
-    for name in RUNTIME_FILES:  # what the runtime opens by name: a listed file, or nothing at all
+    for name in ARTIFACT_FILES:  # what the runtime opens by name: a listed file, or nothing at all
         if os.path.lexists(root / name) and name not in files:
             raise ArtifactError(f"{root / name}: the runtime reads it but the manifest does not list it; "
                                 f"remove it or {rebuild}")
     if INDEX in files:
         _check_index(root, files, rebuild)
-    for required in ("config.json", "tokenizer.json"):
+    for required in (CONFIG, TOKENIZER):
         if required not in files:
             raise ArtifactError(f"{root / required}: the manifest lists no {required}; {rebuild}")
     try:
-        config = json.loads((root / "config.json").read_text())
+        config = json.loads((root / CONFIG).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ArtifactError(f"{root / 'config.json'}: not valid JSON ({e}); {rebuild}") from e
+        raise ArtifactError(f"{root / CONFIG}: not valid JSON ({e}); {rebuild}") from e
     if not isinstance(config, dict):
-        raise ArtifactError(f"{root / 'config.json'}: not a JSON object; {rebuild}")
+        raise ArtifactError(f"{root / CONFIG}: not a JSON object; {rebuild}")
     return Artifact(root, manifest, config)

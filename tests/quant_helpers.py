@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+from infer.runtime.artifact import TOKENIZER_FILES
 
 # compressed-tensors schemes, named as the recipe methods that produce each format
 RTN_SCHEMES = {

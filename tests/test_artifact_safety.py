@@ -280,3 +280,26 @@ def test_prefix_keys_are_the_same_in_every_process():
     outs = {subprocess.run([sys.executable, "-c", _KEYS_SCRIPT], capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
     assert len(outs) == 1 and len(outs.pop().split(",")) == 3
+
+
+def test_the_artifact_file_names_and_list_are_declared_once():
+    """runtime/artifact.py names the files an artifact carries and lists them; the build, the runtime,
+    eval and the benchmarks import those names, so no other module spells a layout or index file name
+    or writes out a second list of them."""
+    import ast
+
+    from infer.runtime.artifact import ARTIFACT_FILES, INDEX, LAYOUT_FILE
+
+    repo = Path(__file__).resolve().parent.parent
+    found = []
+    for folder in ("pipeline", "runtime", "eval", "bench", "kernels"):
+        for path in sorted((repo / folder).rglob("*.py")):
+            if path == repo / "runtime" / "artifact.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                named = isinstance(node, ast.Constant) and node.value in (INDEX, LAYOUT_FILE)
+                listed = isinstance(node, (ast.Tuple, ast.List, ast.Set)) and sum(
+                    isinstance(e, ast.Constant) and e.value in ARTIFACT_FILES for e in node.elts) >= 2
+                if named or listed:
+                    found.append(f"{path.relative_to(repo)}:{node.lineno}")
+    assert not found, f"artifact file names written out again (import them from infer.runtime.artifact): {found}"

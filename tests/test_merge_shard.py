@@ -21,7 +21,7 @@ from infer.pipeline.config import compose_recipe
 from infer.pipeline.merge import MergeError, merge, per_rank_layout
 from infer.pipeline.shard import ShardError, check_tp, shard
 from infer.pipeline.sources import SourceError
-from infer.runtime.artifact import ArtifactError, verify_artifact
+from infer.runtime.artifact import LAYOUT_FILE, ArtifactError, verify_artifact
 
 ARCHS = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
          "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
@@ -87,9 +87,9 @@ def test_shard_then_merge_gives_the_same_tensors(arch, tmp_path):
     _dirs(tmp_path, "tp", "merged")
     info = shard(tmp_path / "src", tmp_path / "tp", 2)
     assert sorted(p.name for p in (tmp_path / "tp").iterdir()) == [
-        "config.json", "generation_config.json", "rank0.safetensors", "rank1.safetensors", "tensor_parallel.json",
+        "config.json", "generation_config.json", "rank0.safetensors", "rank1.safetensors", LAYOUT_FILE,
         "tokenizer.json"]
-    doc = json.loads((tmp_path / "tp" / "tensor_parallel.json").read_text())
+    doc = json.loads((tmp_path / "tp" / LAYOUT_FILE).read_text())
     t = doc["tensors"]
     assert doc["tp_size"] == 2 and doc["ranks"] == ["rank0.safetensors", "rank1.safetensors"]
     assert t["model.layers.0.self_attn.k_proj.weight"] == {"split": "column", "dim": 0, "dtype": "F32",
@@ -129,7 +129,7 @@ def test_vocab_parallel_uneven_split_and_hf_shards_merge(tmp_path):
     model = _tiny("llama", tmp_path / "src", vocab_size=321)
     tp, m1, hf, m2 = _dirs(tmp_path, "tp", "m1", "hf", "m2")
     shard(tmp_path / "src", tp, 2, vocab_parallel=True)
-    t = json.loads((tp / "tensor_parallel.json").read_text())["tensors"]
+    t = json.loads((tp / LAYOUT_FILE).read_text())["tensors"]
     assert t["lm_head.weight"]["split"] == "vocab" and t["lm_head.weight"]["local_shapes"] == [[161, 64], [160, 64]]
     merge(tp, m1)
     _assert_same(_tensors(tmp_path / "src"), _tensors(m1))
@@ -331,7 +331,7 @@ def test_quantized_shard_splits_on_groups_and_round_trips(quantized, tmp_path):
     src = quantized["g32"]
     _dirs(tmp_path, "tp", "m")
     shard(src, tmp_path / "tp", 2)
-    t = json.loads((tmp_path / "tp" / "tensor_parallel.json").read_text())["tensors"]
+    t = json.loads((tmp_path / "tp" / LAYOUT_FILE).read_text())["tensors"]
     o, q = "model.layers.0.self_attn.o_proj.", "model.layers.0.self_attn.k_proj."
     assert (t[o + "weight_scale"]["split"], t[o + "weight_scale"]["dim"], t[o + "weight_scale"]["local_shapes"]) \
         == ("row", 1, [[128, 2], [128, 2]])
@@ -365,7 +365,7 @@ def test_act_order_row_parallel_keeps_groups_whole(quantized, tmp_path):
     for f in ("config.json", "tokenizer.json"):
         shutil.copyfile(quantized["g32"] / f, src / f)
     shard(src, tmp_path / "tp", 2)
-    t = json.loads((tmp_path / "tp" / "tensor_parallel.json").read_text())["tensors"]
+    t = json.loads((tmp_path / "tp" / LAYOUT_FILE).read_text())["tensors"]
     d, q = "model.layers.0.mlp.down_proj.", "model.layers.0.mlp.up_proj."
     assert t[d + "weight_g_idx"]["split"] == "row" and t[d + "weight_scale"]["split"] == "replicated"
     assert t[q + "weight_g_idx"]["split"] == "replicated" and t[q + "weight_scale"]["split"] == "column"
@@ -396,7 +396,7 @@ def test_fp8_build_quantizes_then_shards(tmp_path):
                                    "quant.ignore=[lm_head]", "parallel.tp=2", f"output_dir={tmp_path / 'a'}",
                                    f"cache_dir={tmp_path / 'c'}"]))
     assert [s.name for s in result.stages] == ["load", "quantize", "shard", "package"]
-    t = json.loads((result.artifact / "tensor_parallel.json").read_text())["tensors"]
+    t = json.loads((result.artifact / LAYOUT_FILE).read_text())["tensors"]
     o, u = "model.layers.0.self_attn.o_proj.", "model.layers.0.mlp.up_proj."
     assert (t[o + "weight"]["split"], t[o + "weight"]["dtype"], t[o + "weight_scale"]["split"]) == \
         ("row", "F8_E4M3", "replicated")
@@ -443,7 +443,7 @@ def test_build_tp2_artifact_is_verified_tamper_evident_and_rebuildable(tmp_path)
     art = verify_artifact(result.artifact)
     files = art.manifest["files"]
     assert sorted(files) == ["config.json", "generation_config.json", "rank0.safetensors", "rank1.safetensors",
-                             "tensor_parallel.json", "tokenizer.json"]
+                             LAYOUT_FILE, "tokenizer.json"]
     assert art.manifest["parallel"] == {"tp": 2, "ranks": {str(r): {f"rank{r}.safetensors":
                                                                    files[f"rank{r}.safetensors"]["sha256"]}
                                                           for r in range(2)}}

@@ -12,7 +12,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+from infer.runtime.artifact import TOKENIZER_FILES  # noqa: E402
 
 
 @pytest.fixture(scope="module")

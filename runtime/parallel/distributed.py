@@ -29,11 +29,10 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import MANIFEST, Artifact, ArtifactError, inside, sha256_file
+from ..artifact import LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, MANIFEST, Artifact, ArtifactError, inside, sha256_file
 from ..engine.model_runner import StepInputs
 
 PREFIX = "infer-tp"
-LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION = "tensor_parallel.json", "infer-tensor-parallel", 1
 HEADER = 8  # int64s: command, then its sizes
 NOOP, STEP, DENSE, STOP = 0, 1, 2, 3
 
