@@ -20,6 +20,7 @@ On a CPU with AMX the engine runs twice a round: with AMX (``infer``) and with i
 from __future__ import annotations
 
 import argparse
+import math
 import platform
 import statistics
 import time
@@ -64,31 +65,23 @@ def _transformers_timer(artifact: Path, dtype: str):
 
 
 def weight_bytes(artifact: Path, dtype: str) -> int:
-    """Bytes one batch-1 decode step reads: every tensor of the checkpoint at its stored width (float
-    tensors at the compute dtype's), less an untied input embedding, of which a step reads one row."""
+    """Bytes one batch-1 decode step reads: every tensor of the checkpoint at its stored width (16- and
+    32-bit float tensors at the compute dtype's), less an untied input embedding, of which a step reads one row."""
     import json
 
-    from safetensors import safe_open
+    from infer.pipeline.shard import DTYPES, read_header
+    from infer.runtime.artifact import CONFIG
 
-    config = json.loads((artifact / "config.json").read_text())
+    config = json.loads((artifact / CONFIG).read_text())
     width = getattr(torch, dtype).itemsize
     total = 0
     for path in sorted(artifact.glob("*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            for name in f.keys():
-                if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False):
-                    continue
-                t = f.get_slice(name)
-                numel = 1
-                for d in t.get_shape():
-                    numel *= d
-                floating = t.get_dtype() in ("F32", "F16", "BF16", "F64")
-                total += numel * (width if floating else getattr(torch, _ST_DTYPES[t.get_dtype()]).itemsize)
+        for name, (code, shape) in read_header(path).items():
+            if name.endswith("embed_tokens.weight") and not config.get("tie_word_embeddings", False):
+                continue
+            stored = DTYPES[code]
+            total += math.prod(shape) * (width if stored.is_floating_point and stored.itemsize > 1 else stored.itemsize)
     return total
-
-
-_ST_DTYPES = {"I8": "int8", "U8": "uint8", "I16": "int16", "I32": "int32", "I64": "int64", "F8_E4M3": "float8_e4m3fn",
-              "BOOL": "bool"}
 
 
 def read_bandwidth(rounds: int = 7) -> float:

@@ -318,7 +318,7 @@ def _hf_config(c: dict, model_type: str, head_dim: int, tied: bool, dtype: str, 
     """An HF config for the merged checkpoint; rope_theta at top level (and in rope_parameters), since
     readers that miss it fall back to 10000 and silently compute nonsense."""
     theta = float(c.get("rotary_base", 10000.0))
-    torch_dtype = str(DTYPES[dtype][1]).removeprefix("torch.")
+    torch_dtype = str(DTYPES[dtype]).removeprefix("torch.")
     config = {
         "architectures": ["LlamaForCausalLM" if model_type == "llama" else "Qwen2ForCausalLM"],
         "model_type": model_type,

@@ -63,7 +63,8 @@ Per-channel ([N, 1]) and per-tensor scales are replicated under row parallelism,
 row-parallel slices g_idx (its global group numbers kept) and replicates that layer's scales and
 zero points, since a rank's columns then draw on any group (vLLM does the same for act-order GPTQ).
 
-Streaming: every tensor's name, dtype and shape come from the safetensors headers, so each rank
+Streaming: every tensor's name, dtype and shape come from the safetensors headers (read by the
+safetensors library, which refuses a file its header does not account for exactly), so each rank
 file's header is written first and then each tensor's slices in name order, read one at a time
 through ``safe_open``/``get_slice`` (a file is opened per read, so no memory map outlives one
 tensor): peak memory is about one tensor, not N model copies. Same input, same bytes.
@@ -88,12 +89,12 @@ from .stage import copy_carried_files
 
 SPLITS = ("column", "row", "vocab", "replicated", "shape")
 
-# safetensors dtype codes: bytes per element and the torch dtype
-DTYPES = {"F64": (8, torch.float64), "F32": (4, torch.float32), "F16": (2, torch.float16), "BF16": (2, torch.bfloat16),
-          "I64": (8, torch.int64), "I32": (4, torch.int32), "I16": (2, torch.int16), "I8": (1, torch.int8),
-          "U64": (8, torch.uint64), "U32": (4, torch.uint32), "U16": (2, torch.uint16), "U8": (1, torch.uint8),
-          "BOOL": (1, torch.bool), "F8_E4M3": (1, torch.float8_e4m3fn), "F8_E5M2": (1, torch.float8_e5m2)}
-DTYPE_CODES = {t: code for code, (_, t) in DTYPES.items()}
+# safetensors dtype codes and their torch dtypes (bytes per element: the dtype's itemsize)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+          "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+          "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
+          "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu}
+DTYPE_CODES = {t: code for code, t in DTYPES.items()}
 
 
 class ShardError(ValueError):
@@ -115,18 +116,20 @@ class TensorInfo:
 
 def read_header(file: Path, metadata: bool = False):
     """{name: (dtype, shape)} of a safetensors file, from its header alone (and, with ``metadata``,
-    its ``__metadata__`` too)."""
+    its ``__metadata__`` too). The safetensors library refuses a file its header does not account
+    for exactly (truncated, extended, a damaged header, a tensor's bytes not its dtype x shape)."""
     try:
-        with open(file, "rb") as f:
-            size = struct.unpack("<Q", f.read(8))[0]
-            if size > 1 << 28:
-                raise ValueError(f"header length {size}")
-            header = json.loads(f.read(size))
-        meta = header.pop("__metadata__", None) or {}
-        tensors = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()}
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-        raise ShardError(f"{file}: not a readable safetensors file ({e}); re-export it") from None
+        with safe_open(str(file), framework="pt") as f:
+            tensors = {name: (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape())) for name in f.keys()}
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise ShardError(f"{file}: corrupt or unreadable safetensors file ({e}); re-download or re-export it") from None
     return (tensors, meta) if metadata else tensors
+
+
+def tensor_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor's data in a safetensors file."""
+    return DTYPES[dtype].itemsize * math.prod(shape)
 
 
 def checkpoint_tensors(directory: Path) -> dict[str, TensorInfo]:
@@ -172,7 +175,7 @@ class SafetensorsWriter:
             dtype, shape = tensors[name]
             if dtype not in DTYPES:
                 raise ShardError(f"{name}: safetensors dtype {dtype} is not one this writer knows ({', '.join(DTYPES)})")
-            size = DTYPES[dtype][0] * math.prod(shape)
+            size = tensor_bytes(dtype, shape)
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + size]}
             offset += size
         blob = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()

