@@ -1,7 +1,10 @@
-"""The recipe schema: every key a recipe may set, its type and its allowed values.
+"""The recipe schema: every key a recipe may set, its type, its default and its allowed values.
 
-Hydra composes a recipe from ``recipes/``; ``validate`` merges it onto this schema so that an
-unknown key or a bad value fails before any stage runs, with the key and the valid choices named.
+Each default is stated here once: Hydra composes a recipe from ``recipes/`` on top of these
+dataclasses' defaults (``recipe_defaults``, first in recipes/build.yaml), so a recipe's YAML holds only
+what differs and any key can be overridden on the command line; ``validate`` merges the result onto this
+schema so that an unknown key or a bad value fails before any stage runs, with the key and the valid
+choices named.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field, fields, is_dataclass, replace
 from enum import Enum
 from typing import Any, get_type_hints
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
@@ -45,9 +49,9 @@ class ModelSpec:
 
 @dataclass
 class QuantSpec:
-    method: QuantMethod = QuantMethod.none
-    bits: int = 4
-    group_size: int = 128  # -1: one group per output channel
+    method: QuantMethod = QuantMethod.none  # the defaults are an unquantized recipe's
+    bits: int = 16
+    group_size: int = -1  # -1: one group per output channel
     symmetric: bool = True
     act_order: bool = False
     ignore: list[str] = field(default_factory=lambda: ["lm_head"])
@@ -88,12 +92,14 @@ class TuneSpec:
 
 @dataclass
 class GateSpec:
-    ppl_increase_pct: float | None = None
-    top1_agreement_min: float | None = None
-    mean_kld_max: float | None = None
-    greedy_agreement_min: float | None = None
-    chat_top1_agreement_min: float | None = None  # on the baseline's answers to chat prompts
-    chat_mean_kld_max: float | None = None
+    # None: no such gate. Against the baseline (eval.baseline), on held-out text:
+    ppl_increase_pct: float | None = None  # max perplexity increase, percent
+    top1_agreement_min: float | None = None  # min share of tokens whose top-1 matches the baseline's
+    mean_kld_max: float | None = None  # max mean KL divergence from the baseline's next-token distributions
+    # and on the chat prompts (eval.prompts, through the chat template):
+    greedy_agreement_min: float | None = None  # min greedy agreement with the baseline's answers
+    chat_top1_agreement_min: float | None = None  # min top-1 agreement over the baseline's answers
+    chat_mean_kld_max: float | None = None  # max mean KL divergence over the baseline's answers
 
 
 @dataclass
@@ -123,8 +129,8 @@ class ArtifactSpec:
 @dataclass
 class BuildConfig:
     recipe: str = "smollm2_135m"
-    output_dir: str = "artifacts/model"
-    cache_dir: str = "~/.cache/infer"
+    output_dir: str = "artifacts/${artifact.name}-${artifact.version}"
+    cache_dir: str = "${oc.env:INFER_CACHE_DIR,${oc.env:HOME}/.cache/infer}"
     model: ModelSpec = field(default_factory=ModelSpec)
     quant: QuantSpec = field(default_factory=QuantSpec)
     calib: CalibSpec = field(default_factory=CalibSpec)
@@ -234,6 +240,11 @@ def to_plain(c: BuildConfig) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(c), enum_to_str=True)
 
 
+# Hydra's base config: every key at its default, as plain values rather than a typed node, so that a bad
+# key or value reaches validate(), which names the key and the valid choices.
+ConfigStore.instance().store(name="recipe_defaults", node=to_plain(BuildConfig()))
+
+
 def compose_recipe(overrides: list[str] | tuple[str, ...] = ()) -> BuildConfig:
     """The recipe that ``infer-build OVERRIDES...`` would build, for use from Python."""
     from hydra import compose, initialize_config_module
@@ -249,6 +260,6 @@ def baseline_dtype(cfg: BuildConfig):
 
 def baseline_config(cfg: BuildConfig) -> BuildConfig:
     """The same recipe, unquantized, at the baseline dtype; never itself gated."""
-    return replace(cfg, quant=QuantSpec(method=QuantMethod.none, bits=16, group_size=-1),
+    return replace(cfg, quant=QuantSpec(),
                    model=replace(cfg.model, dtype=baseline_dtype(cfg)), eval=EvalSpec(),
                    artifact=replace(cfg.artifact, name=f"{cfg.artifact.name}-baseline"))

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import run_cli
+from conftest import REPO, run_cli
 from infer.pipeline import build as build_mod
 from infer.pipeline.build import build
 from infer.pipeline.config import QuantMethod, RecipeError, compose_recipe
@@ -29,6 +29,31 @@ def test_default_and_qwen_recipes_compose_and_validate():
     assert qwen.model.source == "Qwen/Qwen2.5-7B-Instruct"
     assert (qwen.quant.method, qwen.quant.bits, qwen.quant.group_size) == (QuantMethod.awq, 4, 128)
     assert compose_recipe(["quant.group_size=64", "recipe=qwen7b_awq"]).quant.group_size == 64
+
+
+def test_every_recipe_composes_and_group_options_state_only_what_differs_from_the_defaults():
+    """The defaults are pipeline/config.py's dataclasses, stated once: a group option (recipes/quant/gptq.yaml,
+    ...) that restated one would be a second place to change it."""
+    from omegaconf import OmegaConf
+
+    from infer.pipeline.config import BuildConfig, to_plain
+
+    def restated(values: dict, base: dict, prefix: str = "") -> list[str]:
+        out = []
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                out += restated(value, base[key], f"{prefix}{key}.")
+            elif key in base and value == base[key]:
+                out.append(prefix + key)
+        return out
+
+    for path in sorted((REPO / "recipes" / "recipe").glob("*.yaml")):
+        assert compose_recipe([f"recipe={path.stem}"]).recipe == path.stem
+    defaults = to_plain(BuildConfig())
+    for group in ("model", "quant", "calib", "tune", "eval"):
+        for path in sorted((REPO / "recipes" / group).glob("*.yaml")):
+            compose_recipe([f"{group}={path.stem}"])
+            assert not restated(OmegaConf.to_container(OmegaConf.load(path)) or {}, defaults[group]), path
 
 
 def test_unknown_key_names_the_key_and_valid_ones():
