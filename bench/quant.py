@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -46,6 +45,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from .throughput import host_info
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # name: (label, infer-build overrides; None: built by llmcompressor_direct, then packaged)
@@ -264,13 +265,6 @@ def chat_metrics(path: Path, baseline: Path, prompts: int, tokens: int) -> dict:
             ("prompts", "chat_tokens", "greedy_agreement", "greedy_exact_match", "chat_mean_kld", "chat_top1_agreement")}
 
 
-def host_info() -> dict:
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), None)
-    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(), "amx": " amx_tile" in flags,
-            "load_average": [round(x, 2) for x in os.getloadavg()], "torch": torch.__version__}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--schemes", default=DEFAULT_SCHEMES, help=f"of {', '.join(SCHEMES)}")
@@ -380,8 +374,7 @@ def main(argv=None) -> dict:
         r["ppl_vs_fp32_pct"] = round(100 * (r["perplexity"] / base["perplexity"] - 1), 2)
         r["decode_b1_vs_fp32"] = round(r["decode_tok_s_b1"] / base["decode_tok_s_b1"], 2)
         r["decode_b16_vs_fp32"] = round(r["decode_tok_s_b16"] / base["decode_tok_s_b16"], 2)
-    result = {"benchmark": "quant", "model": "embedded:smollm2-135m-instruct", **host_info(),
-              "cpu_threads": torch.get_num_threads(),
+    result = {"benchmark": "quant", "model": "embedded:smollm2-135m-instruct", "host": host_info(),
               **({"note": args.note} if args.note else {}),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "note"},
               "rows": rows, "not_published": failed_rows}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -135,18 +134,6 @@ def child(src: Path, out: Path, record: Path) -> None:
                                   "samples": samples[:: max(1, len(samples) // 400)]}))
 
 
-def host_info() -> dict:
-    import torch
-
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    model = next((line.split(":", 1)[1].strip() for line in flags.splitlines() if line.startswith("model name")), None)
-    mem = {line.split(":")[0]: int(line.split()[1]) / 2**20 for line in Path("/proc/meminfo").read_text().splitlines()
-           if line.split(":")[0] in ("MemTotal", "MemAvailable")}
-    return {"host": platform.node(), "cpu": model, "cores": os.cpu_count(), "torch": torch.__version__,
-            "mem_total_gb": round(mem.get("MemTotal", 0), 1), "mem_available_gb": round(mem.get("MemAvailable", 0), 1),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=12, help="decoder layers (Llama-2-7B has 32)")
@@ -183,6 +170,8 @@ def main(argv=None) -> dict:
         written = write_checkpoint(src, config)
         write_s = time.perf_counter() - t
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+        from .throughput import host_info  # here: the quantize child imports this module and needs none of it
+
         before = host_info()
         print("quantizing (fp8, data-free) in a child process ...", file=sys.stderr, flush=True)
         t = time.perf_counter()
@@ -194,7 +183,7 @@ def main(argv=None) -> dict:
         rec = json.loads(record.read_text())
         peak = usage.ru_maxrss / 2**20
         out_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-        result = {"benchmark": "quant_memory", **before, "threads": args.threads, "config": config,
+        result = {"benchmark": "quant_memory", "host": before, "threads": args.threads, "config": config,
                   "parameters": params, "source_bytes": written, "source_gb": round(written / 2**30, 2),
                   "write_s": round(write_s, 1), "quantize_wall_s": round(time.perf_counter() - t, 1),
                   "peak_rss_gb": round(peak, 2), "peak_over_model": round(peak / (written / 2**30), 2),

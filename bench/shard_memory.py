@@ -29,6 +29,8 @@ import torch
 
 from infer.runtime.artifact import INDEX
 
+from .throughput import host_info
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # Llama-3.2-3B's shape (tied embeddings)
@@ -53,19 +55,6 @@ else:
     merge(Path(sys.argv[2]), Path(sys.argv[3]))
 print(json.dumps({"base_rss": base, "peak_rss": status("VmHWM"), "seconds": time.perf_counter() - start}))
 """
-
-
-def host_info() -> dict:
-    """lscpu's model name and whether the CPU has AMX (amx_* flags)."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    except (OSError, subprocess.CalledProcessError):
-        info = {}
-    flags = info.get("Flags", "").split()
-    return {"cpu": info.get("Model name", "?").strip(), "amx": sorted(f for f in flags if f.startswith("amx")),
-            "amx_present": any(f.startswith("amx") for f in flags), "cores": len(os.sched_getaffinity(0)),
-            "ram_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}
 
 
 def llama_shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -172,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     gib = 2**30
     print(f"{params / 1e9:.2f}B parameters, bfloat16, {source_bytes / gib:.1f} GiB; largest tensor "
           f"{result['largest_tensor']} {largest / gib:.2f} GiB; tp={args.tp}; host {result['host']['cpu']} "
-          f"(AMX {'yes' if result['host']['amx_present'] else 'no'})")
+          f"(AMX {'yes' if result['host']['amx'] else 'no'})")
     print(f"{'step':<7}{'wall s':>8}{'written GiB':>13}{'base RSS GiB':>14}{'peak RSS GiB':>14}{'growth GiB':>12}"
           f"{'growth/largest':>16}")
     for name, m in result["steps"].items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import time
@@ -23,18 +24,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def host_info() -> dict:
-    """Which host a figure comes from: CPU model, the instruction-set flags that decide the kernels, the class
-    the kernels ran as (kernels/isa.py: the CPU's own, or lower where INFER_ISA forced it), cores, torch threads."""
+    """Which host a figure comes from, in one shape for every benchmark: what a tuning table is valid for
+    (runtime/tuning.py's hardware(): CPU model, instruction-set digest, AMX, AVX-512 BF16, the class the
+    kernels ran as, cores, torch), and beside it the host's name, the instruction-set flags that decide
+    the kernels, the CPU's own class (INFER_ISA may force a lower one), torch threads, memory and load."""
     from infer.kernels import isa
     from infer.kernels.extension import cpu_flags
+    from infer.runtime.tuning import hardware
 
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor() or platform.machine())
     flags = cpu_flags().split()
     shown = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
-    return {"cpu": model, "flags": [f for f in shown if f in flags], "amx": sorted(f for f in flags if f.startswith("amx")),
-            "avx512_bf16": "avx512_bf16" in flags, "cpu_class": isa.active(), "native_class": isa.native_class(),
-            "cores": len(__import__("os").sched_getaffinity(0)), "torch_threads": torch.get_num_threads()}
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+    gb = {key: round(int(meminfo[key].split()[0]) / 2**20, 1) for key in ("MemTotal", "MemAvailable")}
+    return {**hardware(), "host": platform.node(), "flags": [f for f in shown if f in flags],
+            "native_class": isa.native_class(), "torch_threads": torch.get_num_threads(),
+            "mem_total_gb": gb["MemTotal"], "mem_available_gb": gb["MemAvailable"],
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
 def save_json(result: dict, path: Path) -> None:

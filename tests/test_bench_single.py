@@ -1,6 +1,8 @@
-"""bench/single.py's bandwidth floor: the bytes a batch-1 decode step reads, from the checkpoint."""
+"""bench/single.py's bandwidth floor (the bytes a batch-1 decode step reads, from the checkpoint), and
+the host every benchmark names."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,3 +29,16 @@ def test_weight_bytes_counts_what_a_decode_step_reads(tmp_path, tied):
 def test_read_bandwidth_is_a_plausible_rate():
     gb_s = read_bandwidth(rounds=3) / 1e9
     assert 0.5 < gb_s < 2000, gb_s
+
+
+def test_every_benchmark_describes_its_host_in_one_shape():
+    """One function describes the host for every benchmark's JSON: the tuning table's hardware() and
+    what a figure also depends on; no benchmark writes its own."""
+    from infer.bench.throughput import host_info
+    from infer.runtime.tuning import hardware
+
+    host = host_info()
+    assert host.items() >= hardware().items()
+    assert {"host", "flags", "native_class", "torch_threads", "mem_available_gb", "load_average"} <= set(host)
+    bench = Path(__file__).resolve().parent.parent / "bench"
+    assert [p.name for p in sorted(bench.glob("*.py")) if "def host_info(" in p.read_text()] == ["throughput.py"]
