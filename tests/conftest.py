@@ -96,3 +96,44 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 300) -> subproce
     bin_dir = Path(sys.executable).parent
     return subprocess.run([str(bin_dir / args[0]), *args[1:]], capture_output=True, text=True, env=full_env,
                           timeout=timeout, cwd=REPO)
+
+
+def need(module: str):
+    """Imports ``module``, a package an extra of infer declares. Missing on an install that has that extra
+    (another of its packages is there, or an extra that pulls it in, such as dev), the install is broken: a
+    failure. On an install without the extra (core only), a skip that says which extra to install."""
+    import importlib
+    import re
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        missing = e
+    name = lambda n: re.sub(r"[-_.]+", "-", n).lower()  # noqa: E731 - a distribution's canonical name
+    extras: dict[str, list[Requirement]] = {}
+    for line in metadata.requires("infer") or []:
+        req = Requirement(line)
+        for extra in re.findall(r'extra == "([^"]+)"', str(req.marker or "")):
+            extras.setdefault(extra, []).append(req)
+
+    def present(extra: str) -> bool:  # evidence: another of its packages (not pytest, which runs every test)
+        for req in extras.get(extra, []):
+            if name(req.name) in ("infer", "pytest", name(module)):
+                continue
+            try:
+                metadata.version(req.name)
+                return True
+            except metadata.PackageNotFoundError:
+                continue
+        return False
+
+    wanted = [x for x, reqs in extras.items() if any(name(r.name) == name(module) for r in reqs)]
+    pulling = {x for x, reqs in extras.items() for r in reqs if name(r.name) == "infer" and set(wanted) & r.extras}
+    installed = [x for x in [*wanted, *sorted(pulling)] if present(x)]
+    if installed:
+        pytest.fail(f"{module} is missing although infer[{installed[0]}], which declares it, is installed "
+                    f"({type(missing).__name__}: {missing}); reinstall: pip install -e '.[{installed[0]}]'")
+    pytest.skip(f"{module} is not installed: a core-only install; pip install -e '.[{wanted[0] if wanted else 'dev'}]'")

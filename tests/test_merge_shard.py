@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 
+from conftest import need
 from infer.pipeline.build import BuildError, build
 from infer.pipeline.config import compose_recipe
 from infer.pipeline.merge import MergeError, merge, per_rank_layout
@@ -304,7 +305,7 @@ def test_build_fails_on_bad_tp_before_sharding_and_cli_says_why(tmp_path):
 def quantized(tmp_path_factory) -> dict[str, Path]:
     """W4A16 round-to-nearest checkpoints (llm-compressor, data-free) of a hidden-128 Llama: asymmetric
     group 32 (packed zero points), and symmetric group 64 on a 4-KV-head variant."""
-    pytest.importorskip("llmcompressor")
+    need("llmcompressor")
     from quant_helpers import rtn_checkpoint
 
     root = tmp_path_factory.mktemp("quantized")
@@ -390,7 +391,7 @@ def test_group_size_violation_names_the_layer(quantized, tmp_path):
 
 def test_fp8_build_quantizes_then_shards(tmp_path):
     """infer-build recipe=..._fp8 parallel.tp=2: fp8 codes split like floats, per-channel scales follow rows."""
-    pytest.importorskip("llmcompressor")
+    need("llmcompressor")
     _tiny("llama", tmp_path / "src")
     result = build(compose_recipe(["recipe=smollm2_135m_fp8", f"model.source={tmp_path / 'src'}",
                                    "quant.ignore=[lm_head]", "parallel.tp=2", f"output_dir={tmp_path / 'a'}",

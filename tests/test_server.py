@@ -17,6 +17,8 @@ from pathlib import Path
 
 import httpx
 
+from conftest import need
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -239,7 +241,7 @@ def test_echo_logprobs_scores_the_prompt_like_lm_eval(server, client, model):
 
 
 def test_lm_eval_local_completions_evaluates_the_server(server, model, tmp_path, monkeypatch):
-    pytest.importorskip("lm_eval")
+    need("lm_eval")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
