@@ -46,9 +46,8 @@ from pathlib import Path
 
 import torch
 
-from .throughput import host_info
+from .throughput import RESULTS, host_info
 
-RESULTS = Path(__file__).resolve().parent / "results"
 # name: (label, infer-build overrides; None: built by llmcompressor_direct, then packaged)
 SCHEMES = {
     "fp8": ("FP8 dynamic (layer 29's MLP in float)", ["recipe=smollm2_135m_fp8"]),

@@ -26,8 +26,6 @@ from pathlib import Path
 
 from infer.runtime.artifact import INDEX
 
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 def _rss_gb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -135,6 +133,8 @@ def child(src: Path, out: Path, record: Path) -> None:
 
 
 def main(argv=None) -> dict:
+    from .throughput import RESULTS, host_info  # here: the quantize child imports this module and needs neither
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=12, help="decoder layers (Llama-2-7B has 32)")
     ap.add_argument("--hidden", type=int, default=4096)
@@ -170,8 +170,6 @@ def main(argv=None) -> dict:
         written = write_checkpoint(src, config)
         write_s = time.perf_counter() - t
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        from .throughput import host_info  # here: the quantize child imports this module and needs none of it
-
         before = host_info()
         print("quantizing (fp8, data-free) in a child process ...", file=sys.stderr, flush=True)
         t = time.perf_counter()

@@ -29,9 +29,7 @@ import torch
 
 from infer.runtime.artifact import INDEX
 
-from .throughput import host_info
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from .throughput import RESULTS, host_info
 
 # Llama-3.2-3B's shape (tied embeddings)
 SHAPE = {"hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 24, "num_key_value_heads": 8,
