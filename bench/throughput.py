@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+ARTIFACTS = RESULTS.parent.parent / "artifacts"  # what the benchmarks build for themselves
 
 
 def host_info() -> dict:
@@ -73,7 +74,7 @@ def default_artifact(dtype: str) -> Path:
     from infer.pipeline.build import build
     from infer.pipeline.config import compose_recipe
 
-    out = RESULTS.parent.parent / "artifacts" / f"bench-smollm2-{dtype}"
+    out = ARTIFACTS / f"bench-smollm2-{dtype}"
     return build(compose_recipe([f"model.dtype={dtype}", f"output_dir={out}", "artifact.name=bench-smollm2"])).artifact
 
 

@@ -24,9 +24,7 @@ import torch
 
 from infer.pipeline.stage import copy_carried_files
 
-from .throughput import RESULTS, make_requests, save_json
-
-ARTIFACTS = RESULTS.parent.parent / "artifacts"
+from .throughput import ARTIFACTS, RESULTS, make_requests, save_json
 
 
 def _build(source, out: Path, *overrides: str) -> Path:
