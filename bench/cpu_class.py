@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from infer.runtime.artifact import CONFIG
+
 DECODE_TOKENS, PROMPT, PREFILL = 64, 128, 256
 
 _LLAMA = r"""
@@ -92,7 +94,7 @@ def main(argv=None) -> dict:
     threads = torch.get_num_threads()
     engines = {}
     for artifact in args.artifact:
-        config = json.loads((artifact / "config.json").read_text())
+        config = json.loads((artifact / CONFIG).read_text())
         llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=256 << 20, enable_prefix_caching=False)
         engines[artifact.name] = {"llm": llm, "config": config, "bytes": weight_bytes(artifact, "bfloat16"),
                                   "kernels": llm.engine.kernels.describe(torch.bfloat16),

@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from infer.runtime.artifact import CONFIG, MANIFEST, TOKENIZER
+
 from .throughput import RESULTS, host_info
 
 # name: (label, infer-build overrides; None: built by llmcompressor_direct, then packaged)
@@ -84,7 +86,7 @@ def build(overrides: list[str], out: Path, cache: Path, threads: int | None = No
                 "peak_rss_gb": round(usage.ru_maxrss / 2**20, 2)}
     if code != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed; see {cache / (out.name + '.log')}")
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = json.loads((out / MANIFEST).read_text())
     quant_s = None
     if "quantize" in manifest["stages"]:
         record = cache / "stages" / "quantize" / manifest["stages"]["quantize"][:32] / "_stage.json"
@@ -136,9 +138,9 @@ def llmcompressor_direct(src: Path, out: Path, samples: int, seq_len: int) -> No
             shuffle_calibration_samples=False)
     model.save_pretrained(out, save_compressed=True)
     copy_carried_files(src, out)
-    config = json.loads((out / "config.json").read_text())
-    config.setdefault("rope_theta", json.loads((src / "config.json").read_text()).get("rope_theta"))
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    config = json.loads((out / CONFIG).read_text())
+    config.setdefault("rope_theta", json.loads((src / CONFIG).read_text()).get("rope_theta"))
+    (out / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def build_direct(src: Path, out: Path, cache: Path, samples: int, seq_len: int, threads: int | None) -> dict:
@@ -149,7 +151,7 @@ def build_direct(src: Path, out: Path, cache: Path, samples: int, seq_len: int, 
     cmd = [sys.executable, "-m", "infer.bench.quant", "--llmcompressor-direct", str(src), str(hf),
            "--calib-samples", str(samples), "--calib-seq-len", str(seq_len)]
     start = time.perf_counter()
-    if not (hf / "config.json").is_file():
+    if not (hf / CONFIG).is_file():
         with open(cache / f"{out.name}-direct.log", "w") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             _, status, usage = os.wait4(proc.pid, 0)
@@ -170,7 +172,7 @@ def perplexity(path: Path, windows: int, seq_len: int) -> float:
     from infer.eval.datasets import evaluation_texts
     from infer.runtime.model import load_model
 
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(path / TOKENIZER))
     ids: list[int] = []
     for t in evaluation_texts():
         ids += tok.encode(t + "\n\n", add_special_tokens=False).ids
@@ -214,7 +216,7 @@ def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = 
 
     from infer.eval.datasets import evaluation_texts
 
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(path / TOKENIZER))
     ids: list[int] = []
     for t in evaluation_texts():
         ids += tok.encode(t + "\n\n", add_special_tokens=False).ids
@@ -258,7 +260,7 @@ def chat_metrics(path: Path, baseline: Path, prompts: int, tokens: int) -> dict:
 
     ps = load_prompts("default", prompts)
     # the baseline's answers and their distributions are computed once for all rows (BaselineMemo)
-    identity = model_identity(json.loads((baseline / "manifest.json").read_text()))
+    identity = model_identity(json.loads((baseline / MANIFEST).read_text()))
     c = compare_on_chat(open_llm(path, 512 + tokens), open_llm(baseline, 512 + tokens), ps, tokens, memo_key=identity)
     return {k: round(c[k], 4) if isinstance(c[k], float) else c[k] for k in
             ("prompts", "chat_tokens", "greedy_agreement", "greedy_exact_match", "chat_mean_kld", "chat_top1_agreement")}
@@ -328,7 +330,7 @@ def main(argv=None) -> dict:
                 while not figures.is_file():  # another process is building this row: its figures end it
                     print(f"[{name}] waiting for {figures} ...", file=sys.stderr, flush=True)
                     time.sleep(30)
-            reusable = figures.is_file() and ((out / "manifest.json").is_file()
+            reusable = figures.is_file() and ((out / MANIFEST).is_file()
                                               or json.loads(figures.read_text()).get("gate_failed"))
             if args.reuse and reusable:  # a published artifact, or a build its gates stopped (its figures)
                 built = json.loads(figures.read_text())

@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from infer.runtime.artifact import INDEX
+from infer.runtime.artifact import CONFIG, INDEX
 
 
 def _rss_gb() -> float:
@@ -80,7 +80,7 @@ def write_checkpoint(out: Path, c: dict) -> int:
         del tensors
     (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=1))
-    (out / "config.json").write_text(json.dumps(c, indent=1))
+    (out / CONFIG).write_text(json.dumps(c, indent=1))
     return total
 
 
@@ -122,7 +122,7 @@ def child(src: Path, out: Path, record: Path) -> None:
     llmcompressor.oneshot = oneshot
     cfg = compose_recipe(["recipe=smollm2_135m_fp8", "quant.ignore=[lm_head]", f"model.source={src}",
                           "model.dtype=bfloat16"])
-    config = json.loads((src / "config.json").read_text())
+    config = json.loads((src / CONFIG).read_text())
     info = quantize(src, out, cfg, plan(cfg, config), [])
     stop.set()
     peaks = {}

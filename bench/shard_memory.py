@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from infer.runtime.artifact import INDEX
+from infer.runtime.artifact import CONFIG, INDEX
 
 from .throughput import RESULTS, host_info
 
@@ -78,7 +78,7 @@ def write_checkpoint(path: Path, layers: int, shard_bytes: int = 2 << 30) -> dic
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
               "tie_word_embeddings": True, "torch_dtype": "bfloat16", "dtype": "bfloat16", **SHAPE}
-    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / CONFIG).write_text(json.dumps(config, indent=2))
     groups, size = [[]], 0
     for name in sorted(shapes):
         nbytes = 2 * math.prod(shapes[name])
