@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from infer.runtime.artifact import FORMAT_VERSION
+from infer.runtime.model.families import UnsupportedConfig, check_config
 
 from . import gate, tune
 from .config import BuildConfig, QuantMethod, to_plain
@@ -50,6 +51,21 @@ def check_supported(cfg: BuildConfig) -> None:
                              f"pip install llmcompressor==0.14.0.1, or use quant=none") from None
 
 
+def check_model(directory: Path) -> None:
+    """The runtime's own check of a checkpoint's family and keys (runtime/model/families.py), so that
+    nothing is built that infer-run would refuse. TensorRT-LLM's config.json is checked once merged."""
+    path = Path(directory).expanduser() / "config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if "mapping" in config and "model_type" not in config:
+        return
+    try:
+        check_config(config)
+    except UnsupportedConfig as e:
+        raise BuildError(f"{path.parent}: {e}. infer-run could not serve this model, so nothing was built") from None
+
+
 def check_shardable(cfg: BuildConfig, loaded: StageResult) -> None:
     """parallel.tp's constraints (whole heads, whole quantization groups), before any quantization."""
     q = cfg.quant
@@ -90,10 +106,13 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     """Runs the stages and publishes to cfg.output_dir; with publish_artifact=False, returns the
     packaged stage directory instead (used for the gates' unquantized baseline), with no gates."""
     check_supported(cfg)
+    check_model(Path(cfg.model.source))  # a local checkpoint: before its files are even hashed
     if publish_artifact and gate.chooses(cfg):  # candidates chosen by the gates: each one an ordinary build
         return gate.choose_and_build(cfg, build)
     cache = Path(cfg.cache_dir).expanduser()
     source = resolve_source(cfg.model.source, cfg.model.revision, cache)
+    if source.kind == "hub":
+        check_model(source.path)
     log.info("source %s (%s, sha256 %s)", source.uri, source.kind, source.sha256[:12])
     dtype = cfg.model.dtype.value
     stages, readable, load_inputs = [], source, {"v": STAGE_VERSIONS["load"], "source": source.identity(), "dtype": dtype}
@@ -107,6 +126,7 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
         readable, load_inputs = replace(source, kind="hf", path=merged.path), {**load_inputs, "merged": merged.key}
     loaded = run_stage(cache, "load", load_inputs, lambda out: load_checkpoint(readable, out, dtype))
     stages.append(loaded)
+    check_model(loaded.path)  # every source as the artifact will hold it (GGUF converted, ranks merged)
     checkpoint = loaded
     if cfg.parallel.tp > 1:
         check_shardable(cfg, loaded)

@@ -50,10 +50,17 @@ class FusedStep:
 
     @staticmethod
     def fits(model) -> bool:
-        """Whether every decoder layer is this file's Llama block with the fused layer ops and linears on
-        AMX tiles, the column-block kernel (bfloat16) or the int4 one in the column order of the
-        checkpoint (a tensor-parallel model, another quantization scheme or activation order is not).
-        The resolver keeps ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
+        return FusedStep.declines(model) is None
+
+    @staticmethod
+    def declines(model) -> str | None:
+        """Why this model's layers do not run as one C++ call (None: they do). It needs every decoder layer
+        to be this file's Llama block as kernels/csrc/step_layers.cpp computes it (no q/k norms, no o_proj
+        or MLP biases), with the fused layer ops and linears on AMX tiles, the column-block kernel (bfloat16)
+        or the int4 one in the column order of the checkpoint (a tensor-parallel model, another
+        quantization scheme or activation order is not). The rotary tables, scaled rope types' included,
+        are the model's own (``model.rotary``), so those need nothing of the C++ step. The resolver keeps
+        ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
         from .llama import Block
         from .packed_linear import PackedLinear
         from .quant_linear import Int4BlocksLinear
@@ -63,12 +70,22 @@ class FusedStep:
                 return linear.perm is None
             return type(linear) is PackedLinear and linear.kernel in ("blocks", "amx")
 
-        return model.dtype == torch.bfloat16 and model.rotary.ops is not None and all(
-            type(layer) is Block and layer.mlp.ops is not None and layer.input_layernorm.ops is not None
-            and layer.self_attn.o_proj.bias is None
-            and all(fast(m) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                                      layer.mlp.down_proj))
-            for layer in model.layers)
+        if model.dtype != torch.bfloat16:
+            return f"dtype {model.dtype}: the C++ step runs bfloat16 models"
+        if model.rotary.ops is None or any(type(layer) is not Block or layer.mlp.ops is None
+                                           or layer.input_layernorm.ops is None for layer in model.layers):
+            return "the fused layer ops (kernels/layer_ops) are not in use"
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        if attn.q_norm is not None:
+            return "q/k norms (Qwen3) are not implemented in kernels/csrc/step_layers.cpp"
+        if getattr(attn.o_proj, "bias", None) is not None:
+            return "an o_proj bias is not implemented in kernels/csrc/step_layers.cpp"
+        if getattr(mlp.gate_up_proj, "bias", None) is not None or getattr(mlp.down_proj, "bias", None) is not None:
+            return "MLP biases are not implemented in kernels/csrc/step_layers.cpp"
+        if not all(fast(m) for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            return "a linear is not on AMX tiles, the column-block or the int4 kernel (checkpoint column order)"
+        return None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx):
         """(last layer's output, residual stream) for a step on the C++ kernels, else None."""

@@ -1,4 +1,7 @@
-"""The Llama / Qwen2 decoder in one file: the model the runtime runs.
+"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3).
+
+The families differ by a few config-driven branches (q/k norms, which projections carry biases, the
+rotary embedding's scaling, a checkpoint with fused projections), declared in runtime/model/families.py.
 
 Tokens travel flattened, as one ``[T, hidden]`` tensor for the whole step, so a step can mix
 prompt chunks and single decode tokens of many sequences. How attention sees the rest of each
@@ -14,14 +17,17 @@ weights alike) and for the build pipeline's quantize stage. Loading is runtime/m
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+from .families import FAMILIES, ROPE_TYPES, check_config, rope_parameters
+
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
 @dataclass(frozen=True)
@@ -38,27 +44,36 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v carry a bias
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope
+    packed_checkpoint: bool = False  # the checkpoint stores qkv_proj / gate_up_proj fused already
+    # rope_parameters when not default rope: rope_type and the keys families.ROPE_TYPES lists for it
+    rope_scaling: dict | None = field(default=None, hash=False)
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Reads an HF ``config.json`` dict; refuses what this implementation would get wrong."""
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported; supported: default")
+        """Reads an HF ``config.json`` dict; refuses what this implementation would get wrong
+        (families.check_config, the same check infer-build makes before building)."""
+        family = check_config(cfg)
+        model_type = family.model_type
+        rope = rope_parameters(cfg)
         theta = cfg.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             # silently assuming 10000 gives fluent nonsense on long inputs: refuse instead
             raise ValueError("config.json states no rope_theta (neither top level nor rope_parameters)")
-        heads = cfg["num_attention_heads"]
+        heads, max_pos = cfg["num_attention_heads"], cfg.get("max_position_embeddings", 2048)
+        scaling = None
+        if rope["rope_type"] not in ("default", "dynamic"):  # dynamic: default rope within max_pos (families.py)
+            scaling = {k: rope[k] for k in ROPE_TYPES[rope["rope_type"]] if rope.get(k) is not None}
+            scaling["rope_type"] = rope["rope_type"]
+            # transformers: a top-level original_max_position_embeddings (Phi-3's) wins, else max_position_embeddings
+            original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+            scaling["original_max_position_embeddings"] = original or max_pos
+        bias = cfg.get("attention_bias", False)
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -66,15 +81,20 @@ class ModelConfig:
             intermediate_size=cfg["intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_pos,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            attention_bias={"attention_bias": bias, "qkv": True, "none": False}[family.attention_bias],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
+            o_proj_bias=family.attention_bias == "attention_bias" and bias,
+            mlp_bias=family.mlp_bias and cfg.get("mlp_bias", False),
+            qk_norm=family.qk_norm,
+            packed_checkpoint=family.packed_checkpoint,
+            rope_scaling=scaling,
         )
 
     @classmethod
@@ -105,17 +125,80 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype), residual
 
 
+def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """The rotary embedding's inverse frequencies [head_dim / 2] and the factor its cos/sin are scaled by,
+    computed as transformers' modeling_rope_utils does for each rope_type (float32 throughout)."""
+    d, base, r = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or {"rope_type": "default"}
+    exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+    inv_freq = 1.0 / (base ** exponents)
+    kind, original = r["rope_type"], r.get("original_max_position_embeddings")
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind == "linear":  # positions divided by factor
+        return inv_freq / r["factor"], 1.0
+    if kind == "llama3":  # long wavelengths divided by factor, short ones kept, a smooth ramp between
+        factor, low, high = r["factor"], r["low_freq_factor"], r["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+        smooth = (original / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < original / high) * ~(wavelen > original / low)
+        return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":  # interpolate the slow dimensions, keep the fast ones, ramp between; scale attention
+        factor = r["factor"]
+        scale = r.get("attention_factor")
+        if scale is None:
+            def mscale(s, m=1.0):
+                return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
+            m, m_all = r.get("mscale"), r.get("mscale_all_dim")
+            scale = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+        fast, slow = r.get("beta_fast") or 32, r.get("beta_slow") or 1
+
+        def dim_of(rotations):  # the dimension that turns ``rotations`` times over the original context
+            return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_of(fast), dim_of(slow)
+        if r.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+        keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+        return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, scale
+    if kind == "longrope":
+        # transformers picks long_factor when the current length passes the original context; keys in a KV
+        # cache keep the rotation they were stored with, so one choice for the whole served context instead
+        factor = r.get("factor") or cfg.max_position_embeddings / original
+        scale = r.get("attention_factor")
+        if scale is None:
+            scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+        long = cfg.max_position_embeddings > original
+        ext = torch.tensor(r["long_factor"] if long else r["short_factor"], dtype=torch.float32)
+        return 1.0 / (ext * base ** exponents), scale
+    raise ValueError(f"rope_type {kind!r}: no rule here; families.ROPE_TYPES and rope_inv_freq disagree")
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place by their absolute positions (cos/sin tables for every position)."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int):
+    def __init__(self, head_dim: int, theta: float, max_positions: int, inv_freq: torch.Tensor | None = None,
+                 scale: float = 1.0):
+        """``inv_freq`` and ``scale``: rope_inv_freq's, for scaled rope types (else default rope of ``theta``);
+        the scale is folded into the tables, so every rotary kernel applies it."""
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if inv_freq is None:
+            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
         self.ops = None
+
+    @classmethod
+    def for_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
+        return cls(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, *rope_inv_freq(cfg))
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """What one forward pass needs to rotate: per-token cos/sin for the torch path."""
@@ -144,10 +227,17 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # Qwen3: each head of q and k RMS-normed before rope
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def forward(self, x, rotary: RotaryEmbedding, rope, ctx) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        if self.q_norm is not None:
+            d, q_end = self.head_dim, self.q_size + self.kv_size
+            for norm, part in ((self.q_norm, qkv[:, :self.q_size]), (self.k_norm, qkv[:, self.q_size:q_end])):
+                part.copy_(norm(part.reshape(-1, d))[0].view(part.shape))
         # rotate q and k together, in place: one pass instead of two
         rotary.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -161,8 +251,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.ops = None  # kernels.layer_ops' module when it builds: silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +292,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.rotary = RotaryEmbedding.for_config(cfg)
         self.fused_step = None  # runtime/model/fused_step.py's, where every layer fits it: steps in C++
 
     @property
@@ -269,15 +359,17 @@ class FusedLinear:
 
 
 def linear_layout(cfg: ModelConfig) -> list[FusedLinear]:
-    """Every linear of the model (the LM head last) with the checkpoint linears it is made of."""
+    """Every linear of the model (the LM head last) with the checkpoint linears it is made of (one, where
+    the checkpoint stores it fused already: Phi-3's qkv_proj and gate_up_proj)."""
     h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    out_features = {"q_proj": cfg.num_heads * d, "k_proj": cfg.num_kv_heads * d, "v_proj": cfg.num_kv_heads * d,
-                    "o_proj": h, "gate_proj": inter, "up_proj": inter, "down_proj": h}
-    in_features = {"o_proj": cfg.num_heads * d, "down_proj": inter}
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    out_features = {"q_proj": q, "k_proj": kv, "v_proj": kv, "qkv_proj": q + 2 * kv, "o_proj": h,
+                    "gate_proj": inter, "up_proj": inter, "gate_up_proj": 2 * inter, "down_proj": h}
+    in_features = {"o_proj": q, "down_proj": inter}
     layout = []
     for i in range(cfg.num_layers):
         for module in Transformer.layer_linears:
-            parts = Transformer.packed_modules_mapping.get(module, (module,))
+            parts = (module,) if cfg.packed_checkpoint else Transformer.packed_modules_mapping.get(module, (module,))
             layout.append(FusedLinear(f"layers.{i}.{module}", tuple(
                 HFLinear(f"model.layers.{i}.{part}", in_features.get(part.rpartition(".")[2], h),
                          out_features[part.rpartition(".")[2]]) for part in parts)))

@@ -9,6 +9,7 @@ other tensor (embeddings, norms) keeps its HF name without the ``model.`` prefix
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ from safetensors import safe_open
 from ..artifact import INDEX, ArtifactError, inside
 from .compressed_tensors import QuantWeight, is_quantized_config, read_quantized
 from .llama import ModelConfig, RotaryEmbedding, Transformer, linear_layout
+
+log = logging.getLogger("infer.model")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -154,7 +157,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr,
                     make_linear(qweight, state.get(name + ".bias"), dtype, device).to(device))
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings).to(device)
+    model.rotary = RotaryEmbedding.for_config(cfg).to(device)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
@@ -165,10 +168,17 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
         pack_linears(model, kernels.amx_linear, kernels.onednn_linear,
                      (lambda i, o, runs: tuning.linear(i, o, dtype, runs)) if tuning is not None else None,
                      kernels.bf16_linear)
+    # which path runs a step, and why: logged, and kept as model.step_path for whoever reports the plan
+    model.step_path = "python layer loop: no C++ step kernel on this CPU / kernel set"
     if kernels.step_layers is not None:
         from .fused_step import FusedStep
 
-        if FusedStep.fits(model):
+        why = FusedStep.declines(model)
+        if why is None:
             model.fused_step = FusedStep(model, kernels)
+            model.step_path = "fused C++ step (kernels/csrc/step_layers.cpp)"
+        else:
+            model.step_path = f"python layer loop: {why}"
+    log.info("%s: steps run on the %s", cfg.model_type, model.step_path)
     model.kernels = kernels
     return model.eval().requires_grad_(False)

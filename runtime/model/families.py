@@ -1,0 +1,143 @@
+"""What the runtime implements, declared once: the model families (config.json's ``model_type``) and,
+per family, the config keys whose values change the maths.
+
+``ModelConfig.from_hf`` reads a config through ``check_config``, ``infer-build`` calls the same
+function on the source's config.json before any stage runs (so nothing is built that ``infer-run``
+would refuse), and the README's table is ``markdown_table()``. A family's differences are a few
+flags here and a few branches in runtime/model/llama.py, not another model file.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+
+# rope_type -> the keys of rope_parameters (or the older rope_scaling) it reads; the required ones
+# are in REQUIRED_ROPE_KEYS. The maths is runtime/model/llama.py's rope_inv_freq.
+ROPE_TYPES = {
+    "default": (),
+    "linear": ("factor",),
+    # transformers rescales by the current length only past max_position_embeddings; the engine never
+    # serves past it (its max_model_len is at most that), so within what is served this is default rope
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "mscale",
+             "mscale_all_dim", "truncate"),
+    # short_factor when the served context (max_position_embeddings) fits original_max_position_embeddings,
+    # else long_factor for every position (see rope_inv_freq)
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
+}
+REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor",
+                      "high_freq_factor"), "yarn": ("factor",), "longrope": ("short_factor", "long_factor")}
+HIDDEN_ACTS = ("silu",)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    examples: str
+    # which projections carry a bias, and what decides it: "attention_bias" (the key sets q/k/v and o),
+    # "qkv" (q/k/v always, o never: Qwen2), "none"
+    attention_bias: str = "none"
+    mlp_bias: bool = False  # reads the mlp_bias key (gate/up/down)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    # the key that switches sliding_window on (Qwen's use_sliding_window); None: sliding_window alone
+    window_flag: str | None = None
+    packed_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    rope_types: tuple[str, ...] = tuple(ROPE_TYPES)
+    rope_aliases: dict = field(default_factory=dict)  # older names transformers maps for this family
+
+
+FAMILIES = {f.model_type: f for f in (
+    Family("llama", "Llama 2, Llama 3.x, SmolLM2", attention_bias="attention_bias", mlp_bias=True),
+    Family("qwen2", "Qwen2, Qwen2.5 (YaRN for long context)", attention_bias="qkv", window_flag="use_sliding_window"),
+    Family("qwen3", "Qwen3 (dense)", attention_bias="attention_bias", qk_norm=True, window_flag="use_sliding_window"),
+    Family("mistral", "Mistral 7B v0.2/v0.3, Mistral Nemo", attention_bias="none"),
+    Family("phi3", "Phi-3, Phi-3.5 mini", attention_bias="none", packed_checkpoint=True,
+           rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"}),
+)}
+
+
+class UnsupportedConfig(ValueError):
+    """A config.json this runtime would compute wrongly; the message names the key, the supported values
+    and what to do."""
+
+
+def _refuse(key: str, value, supported, why: str = "") -> UnsupportedConfig:
+    return UnsupportedConfig(f"config.json {key}={value!r} is not supported{why}; supported: {supported}")
+
+
+def rope_parameters(cfg: dict) -> dict:
+    """The rotary embedding's parameters as transformers reads them: rope_parameters (transformers 5),
+    else rope_scaling, with rope_type named (the older ``type`` too) and Phi-3's aliases resolved."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    family = FAMILIES.get(cfg.get("model_type"))
+    rope["rope_type"] = family.rope_aliases.get(kind, kind) if family else kind
+    rope.pop("type", None)
+    return rope
+
+
+def sliding_window(cfg: dict) -> int | None:
+    """The attention window the config asks for, or None (full attention)."""
+    family = FAMILIES[cfg["model_type"]]
+    if family.window_flag is not None and not cfg.get(family.window_flag, False):
+        return None
+    return cfg.get("sliding_window")
+
+
+def check_config(cfg: dict) -> Family:
+    """Raises UnsupportedConfig for a family or key value this runtime does not implement; returns the family."""
+    model_type = cfg.get("model_type")
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise UnsupportedConfig(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
+    act = cfg.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise _refuse("hidden_act", act, ", ".join(HIDDEN_ACTS))
+    raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(raw, dict) or any(isinstance(v, dict) for v in raw.values()):
+        raise _refuse("rope_parameters", raw, "one flat dict for every layer", " (per-layer rotary parameters)")
+    rope = rope_parameters(cfg)
+    kind = rope["rope_type"]
+    if kind not in family.rope_types:
+        aliases = "".join(f", {a} (= {b})" for a, b in family.rope_aliases.items())
+        raise _refuse("rope_parameters.rope_type", kind, ", ".join(family.rope_types) + aliases,
+                      f" for model_type {model_type}")
+    missing = [k for k in REQUIRED_ROPE_KEYS.get(kind, ()) if rope.get(k) is None]
+    if missing:
+        raise UnsupportedConfig(f"config.json rope_parameters (rope_type {kind}) lacks {', '.join(missing)}; "
+                                f"rope_type {kind} reads {', '.join(ROPE_TYPES[kind])}")
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise _refuse("partial_rotary_factor", partial, "1.0 (rotary over the whole head)")
+    window, context = sliding_window(cfg), cfg.get("max_position_embeddings", 2048)
+    if window is not None and window < context:
+        raise _refuse("sliding_window", window, f"null, or at least max_position_embeddings ({context})",
+                      f" below max_position_embeddings={context}: sliding-window attention is not implemented yet; "
+                      f"to serve within the window set max_position_embeddings to at most {window}")
+    return family
+
+
+def markdown_table() -> str:
+    """The README's table of supported families and keys, made from the declarations above."""
+    rows = ["| model_type | e.g. | rope_type | q/k norm | biases | head_dim | LM head | sliding_window |",
+            "|---|---|---|---|---|---|---|---|"]
+    bias = {"attention_bias": "q/k/v/o per `attention_bias`", "qkv": "q/k/v always, o none", "none": "none"}
+    for f in FAMILIES.values():
+        types = ", ".join(f"`{t}`" for t in f.rope_types) + "".join(f", `{a}` (= `{b}`)" for a, b in
+                                                                       f.rope_aliases.items())
+        biases = bias[f.attention_bias] + ("; gate/up/down per `mlp_bias`" if f.mlp_bias else "")
+        window = (f"off unless `{f.window_flag}`; " if f.window_flag else "") + "null or >= max_position_embeddings"
+        rows.append(f"| `{f.model_type}` | {f.examples} | {types} | {'yes' if f.qk_norm else 'no'} | {biases} "
+                    f"| `head_dim` or hidden/heads | tied or untied | {window} |")
+    notes = (
+        f"Every family: `hidden_act` {', '.join(HIDDEN_ACTS)}; `partial_rotary_factor` 1.0; `rope_theta` stated. "
+        "Keys each `rope_type` reads: " + "; ".join(
+            f"`{t}`: " + (", ".join(f"`{k}`" for k in keys) if keys else "none") for t, keys in ROPE_TYPES.items())
+        + ". `dynamic` equals `default` within max_position_embeddings, which the engine never serves past; "
+        "`longrope` uses `long_factor` for every position when max_position_embeddings exceeds "
+        "`original_max_position_embeddings`, else `short_factor` (transformers chooses by the current length, "
+        "which a KV cache cannot follow). Anything else is refused by `infer-build` before any stage runs, and "
+        "by `infer-run`, naming the key and the supported values.")
+    return "\n".join(rows) + "\n\n" + textwrap.fill(notes, 104, break_long_words=False, break_on_hyphens=False) + "\n"

@@ -1,0 +1,240 @@
+"""The model families users bring (runtime/model/families.py), each built by infer-build from a small
+random-weight checkpoint made with transformers' own config class and checked against transformers:
+logits in float32 on inputs longer than the rope scaling's original context, and greedy tokens through
+the engine (chunked prefill, prefix caching, preemption). Unsupported keys are refused before any work."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from conftest import REPO, run_cli
+from infer.kernels import step_layers
+from infer.pipeline.build import build
+from infer.pipeline.config import compose_recipe
+from infer.runtime import LLM, SamplingParams
+from infer.runtime.model import ModelConfig, load_model
+from infer.runtime.model.families import FAMILIES, UnsupportedConfig, check_config, markdown_table
+
+VOCAB, ORIGINAL, CONTEXT = 320, 64, 256  # original_max_position_embeddings: test inputs go past it
+PROMPT, NEW_TOKENS = 80, 64
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=CONTEXT, rms_norm_eps=1e-5)
+
+
+def _config(case: str) -> transformers.PretrainedConfig:
+    """One config per family, with that family's special keys set."""
+    if case == "llama3":  # Llama 3.1-shaped rotary scaling
+        return transformers.LlamaConfig(**COMMON, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL})
+    if case == "llama-bias-dynamic":  # attention and MLP biases, dynamic NTK (default rope within the context)
+        return transformers.LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True, rope_parameters={
+            "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    if case == "qwen2-yarn":  # Qwen2.5's long-context recipe
+        return transformers.Qwen2Config(**COMMON, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": ORIGINAL})
+    if case == "qwen3":  # q/k norms, head_dim apart from hidden / heads, linear scaling
+        return transformers.Qwen3Config(**COMMON, head_dim=32, rope_parameters={
+            "rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0})
+    if case == "mistral":  # explicit head_dim; a window no smaller than the context
+        return transformers.MistralConfig(**COMMON, head_dim=32, sliding_window=CONTEXT, rope_theta=1000000.0)
+    if case == "phi3-longrope":  # Phi-3 128k's rotary scaling; the checkpoint stores qkv and gate_up fused
+        half = 16 // 2
+        return transformers.Phi3Config(**COMMON, original_max_position_embeddings=ORIGINAL, bos_token_id=1,
+                                       eos_token_id=2, pad_token_id=0, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+    raise ValueError(case)
+
+
+CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope"]
+
+
+def _tokenizer(path: Path) -> None:
+    """A word-level tokenizer.json over the whole vocabulary (token i is "t{i}"): the engine needs one."""
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(path / "tokenizer.json"))
+
+
+def _checkpoint(path: Path, case: str, init: float = 0.02) -> transformers.PreTrainedModel:
+    """A random float32 model of ``case`` saved as safetensors; norms and biases random too (HF sets them
+    to ones and zeros, which would hide a missing or misplaced one). ``init``: the weights' std."""
+    cfg = _config(case)
+    cfg.initializer_range = init
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    _tokenizer(path)
+    return model
+
+
+def _build(tmp_path: Path, src: Path, dtype: str = "float32", *extra: str) -> Path:
+    return build(compose_recipe([f"model.source={src}", f"model.dtype={dtype}", "tune.enabled=false",
+                                 "eval.enabled=false", "artifact.name=tiny", f"output_dir={tmp_path / 'out'}",
+                                 f"cache_dir={tmp_path / 'cache'}", *extra])).artifact
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_family_builds_and_matches_transformers(tmp_path, case):
+    ref = _checkpoint(tmp_path / "src", case)
+    artifact = _build(tmp_path, tmp_path / "src")
+    config = json.loads((artifact / "config.json").read_text())
+    for key in ("rope_parameters", "head_dim", "sliding_window", "attention_bias", "mlp_bias"):
+        assert config.get(key) == json.loads((tmp_path / "src" / "config.json").read_text()).get(key), key
+
+    # logits on fresh inputs past the original context, float32 both sides
+    ours = load_model(artifact)
+    ids = torch.randint(0, VOCAB, (2, random.randint(ORIGINAL + 20, CONTEXT)))
+    with torch.no_grad():
+        want = ref(ids).logits
+    got = ours.logits(ids)
+    err = (got - want).abs().max().item()
+    print(case, "length", ids.shape[1], "max |logit diff|", err, "logit scale", want.abs().max().item())
+    assert err < 1e-5 * max(1.0, want.abs().max().item()), err  # measured: 2e-7 to 5e-7
+
+    # greedy tokens through the engine: chunked prefill, shared prefixes (cache hits), preemption
+    cfg = ModelConfig.from_dir(artifact)
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    blocks = 16  # three sequences of PROMPT + NEW_TOKENS need 27: some must wait or be preempted
+    llm = LLM(artifact, max_num_batched_tokens=48, max_num_seqs=3, kv_cache_memory=blocks * per_block)
+    shared = [random.randrange(VOCAB) for _ in range(48)]
+    prompts = [shared + [random.randrange(VOCAB) for _ in range(PROMPT - 48)] for _ in range(3)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == gen[0, len(prompt):].tolist()
+    engine = llm.engine
+    assert engine.block_manager.prefix_hits > 0 and engine.stats["steps"] > NEW_TOKENS
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+FUSED = step_layers.load()
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: no C++ step to check")
+@pytest.mark.parametrize("case,fused", [("qwen2-yarn", True), ("llama3", True), ("qwen3", False),
+                                        ("llama-bias-dynamic", False)])
+def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case, fused):
+    """The C++ step rotates with the model's own tables (YaRN's attention scaling and llama3's frequencies
+    included): its tokens equal the Python loop's and its logprobs agree to bfloat16 step noise, while the
+    same step given unscaled tables is far off. What it does not implement (q/k norms, o_proj and MLP
+    biases) it declines, and the model says so (``model.step_path``).
+
+    Not bit for bit: on this CPU class the C++ step and the Python loop differ by up to ~5e-5 in a logprob
+    at some context lengths with default rope too (a plain Llama, measured), so that is not the tables."""
+    from infer.runtime.model.llama import RotaryEmbedding
+
+    _checkpoint(tmp_path / "src", case, init=0.2)  # weights large enough that attention moves the logits
+    artifact = _build(tmp_path, tmp_path / "src", "bfloat16")
+    # no prefix caching: the second run would start from the first's cached blocks, another path
+    llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False)
+    model = llm.engine.model
+    print(case, model.step_path)
+    if not fused:
+        assert model.fused_step is None
+        assert re.search(r"python layer loop: (q/k norms|an o_proj bias)", model.step_path), model.step_path
+        return
+    step = model.fused_step
+    assert step is not None and step.rotary is model.rotary and model.step_path.startswith("fused C++ step")
+    prompts = [[random.randrange(VOCAB) for _ in range(random.randint(ORIGINAL + 5, 100))] for _ in range(2)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+
+    def logprobs(fused_step):
+        model.fused_step = fused_step
+        outs = llm.generate(prompts, params)
+        return [o.token_ids for o in outs], torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs])
+
+    (got_ids, got), (want_ids, want) = logprobs(step), logprobs(None)
+    assert got_ids == want_ids
+    print("fused - loop", (got - want).abs().max().item())
+    assert (got - want).abs().max() < 1e-3, (got - want).abs().max()
+    cfg = model.config
+    step.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)  # unscaled
+    _, wrong = logprobs(step)
+    print("unscaled - loop", (wrong - want).abs().max().item())
+    assert (wrong - want).abs().max() > 1e-2, "the C++ step did not use the tables it was given"
+
+
+def test_rope_scaling_matches_transformers_tables():
+    """cos/sin (attention scaling folded in) for every rope type against transformers' rotary module."""
+    from infer.runtime.model.llama import RotaryEmbedding
+
+    for case in CASES:
+        hf_cfg = _config(case)
+        ours = RotaryEmbedding.for_config(ModelConfig.from_hf(hf_cfg.to_dict()))
+        rotary = transformers.AutoModelForCausalLM.from_config(hf_cfg).model.rotary_emb
+        positions = torch.arange(CONTEXT)[None]
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
+        assert torch.allclose(ours.cos, cos[0], atol=1e-6, rtol=1e-6), case
+        assert torch.allclose(ours.sin, sin[0], atol=1e-6, rtol=1e-6), case
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("sliding_window", 128, r"sliding_window=128 is not supported.*supported: null, or at least "
+                            r"max_position_embeddings \(256\)"),
+    ("rope_parameters", {"rope_type": "foo", "rope_theta": 10000.0},
+     r"rope_parameters.rope_type='foo' is not supported for model_type mistral; supported: default, linear, "
+     r"dynamic, llama3, yarn, longrope"),
+    ("hidden_act", "gelu", r"hidden_act='gelu' is not supported; supported: silu"),
+    ("model_type", "gemma2", r"model_type 'gemma2' is not supported; supported: llama, qwen2, qwen3, mistral, phi3"),
+])
+def test_unsupported_keys_are_refused_naming_key_and_values(key, value, match):
+    cfg = _config("mistral").to_dict()
+    cfg[key] = value
+    with pytest.raises(UnsupportedConfig, match=match):
+        check_config(cfg)
+    with pytest.raises(UnsupportedConfig, match=match):
+        ModelConfig.from_hf(cfg)
+
+
+def test_infer_build_refuses_before_any_stage(tmp_path):
+    """A Mistral whose sliding window is smaller than its context: infer-build stops before the load
+    stage (nothing cached, nothing published), naming the key, the value and what is supported."""
+    src = tmp_path / "src"
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=128))
+    model.save_pretrained(src)
+    _tokenizer(src)
+    run = run_cli("infer-build", f"model.source={src}", f"output_dir={tmp_path / 'out'}",
+                  f"cache_dir={tmp_path / 'cache'}", "tune.enabled=false")
+    print(run.stderr[-2000:])
+    assert run.returncode == 1
+    assert re.search(r"src: config.json sliding_window=128 is not supported below "
+                     r"max_position_embeddings=256.*supported: null, or at least max_position_embeddings", run.stderr)
+    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "cache").glob("**/load*")), "a stage ran"
+
+
+def test_phi3_aliases_and_family_declaration():
+    cfg = _config("phi3-longrope").to_dict()
+    cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "su"}
+    assert ModelConfig.from_hf(cfg).rope_scaling["rope_type"] == "longrope"
+    cfg["rope_parameters"]["rope_type"] = "llama3"
+    with pytest.raises(UnsupportedConfig, match=r"supported: default, longrope, su \(= longrope\)"):
+        ModelConfig.from_hf(cfg)
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3"}
+
+
+def test_readme_lists_families_from_the_declaration():
+    readme = (REPO / "README.md").read_text()
+    start, end = "<!-- families: markdown_table() -->\n", "<!-- /families -->"
+    assert start in readme and end in readme
+    section = readme[readme.index(start) + len(start):readme.index(end)]
+    assert section == markdown_table()
