@@ -155,6 +155,8 @@ async def one_request(http: httpx.AsyncClient, base: str, model: str, item: dict
             "stream_options": {"include_usage": True}}
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.json_schema is not None:  # the structured workload: vLLM and infer both take this field
+        body["structured_outputs"] = {"json": args.json_schema}
     if chat:
         body["messages"] = item["messages"]
     else:
@@ -397,6 +399,13 @@ def parse_target(text: str) -> tuple[str, str, str | None]:
     return name, url.rstrip("/").removesuffix("/v1"), model or None
 
 
+def _schema_file(path: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"{path}: not a readable JSON schema ({e})") from None
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="infer-bench serve",
                                 description="Load OpenAI-compatible servers with Poisson arrivals of streaming "
@@ -425,6 +434,8 @@ def parse_args(argv=None):
                         "them (default: token ids where every target reports the same vocabulary size in "
                         "/tokenizer_info, else words)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--json-schema", type=_schema_file, default=None, metavar="FILE",
+                   help="the structured workload: every request's output held to this JSON schema")
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="send ignore_eos so each output runs to its max_tokens (default on; --no-ignore-eos lets "
                         "requests stop at EOS)")
@@ -499,7 +510,8 @@ def describe_workload(args, items: list[dict], vocab: int | None) -> str:
                 "token ids" if vocab else "words; lengths as each server counts them")
         prompts = f"random prompts of {args.input_len} tokens{spread} ({kind}), outputs of {args.output_len}{spread}"
     eos = "ignore_eos" if args.ignore_eos else "may stop at EOS"
-    return f"{len(items)} requests at {args.rate:g} req/s (Poisson, seed {args.seed}); {prompts}; {eos}"
+    held = "; outputs held to a JSON schema" if args.json_schema is not None else ""
+    return f"{len(items)} requests at {args.rate:g} req/s (Poisson, seed {args.seed}); {prompts}; {eos}{held}"
 
 
 def main(argv=None) -> int:

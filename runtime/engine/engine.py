@@ -32,6 +32,7 @@ from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
+from .structured import Constraint, Grammars, MaskFiller
 from .step_record import StepRecord, new_step_records
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -220,6 +221,10 @@ class LLMEngine:
                                                                         self.kernels, self.tuning, **on)
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
+        # structured output: grammars compiled for this vocabulary (lazily: xgrammar loads on first use)
+        self.grammars = Grammars(self.artifact.path / "tokenizer.json", self.model.config.vocab_size,
+                                 sorted(self.eos_token_ids))
+        self.mask_filler = MaskFiller()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
 
     # ------------------------------------------------------------------ requests
@@ -257,6 +262,8 @@ class LLMEngine:
             raise ValueError(f"prompt is {len(ids)} tokens, over this engine's context limit of "
                              f"{self.max_request_tokens} (prompt and output together); shorten the prompt")
         seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None)
+        if params.structured is not None:  # the server compiled it already, off this thread
+            seq.constraint = Constraint(self.grammars.compile(params.structured).compiled, self.model.config.vocab_size)
         self.requests[request_id] = _Request(seq, self.tokenizer)
         self.scheduler.add(seq)
         return seq
@@ -301,6 +308,9 @@ class LLMEngine:
             else:
                 prefill_seqs += 1
                 prefill_tokens += n
+        # grammar masks of the rows that sample this step, filled while the forward runs
+        masks = self.mask_filler.start([s for s, n in zip(batch.seqs, batch.num_tokens)
+                                        if s.num_computed_tokens + n >= len(s)])
         t_model = time.perf_counter()
 
         def forward(part: list[tuple[Sequence, int]]) -> StepOutput:
@@ -321,6 +331,11 @@ class LLMEngine:
             if keep:
                 rows.append(result.logits if len(keep) == len(result.sampled) else result.logits[keep])
                 to_sample += [result.sampled[j] for j in keep]
+        if masks is not None:
+            try:
+                masks.result()
+            except Exception:  # the sampler fills that row again and fails it alone
+                pass
         t_sample = self._sampled_at = time.perf_counter()
         if to_sample:
             outputs += self._sample(rows[0] if len(rows) == 1 else torch.cat(rows), to_sample)
@@ -375,6 +390,8 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:
         """Adds a sampled token: its text, stop strings and tokens, the finish reason."""
         req = self.requests[seq.request_id]
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            raise ValueError(f"its grammar refused the sampled token {token}")
         seq.token_ids.append(token)
         self.stats["generation_tokens"] += 1
         if seq.first_token_time is None:
@@ -402,6 +419,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_text: bool) -> str | None:
         p = seq.params
         if stopped_by_text or token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if seq.constraint is not None and seq.constraint.finished:
             return "stop"
         if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.max_request_tokens:
             return "length"

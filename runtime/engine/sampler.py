@@ -1,6 +1,6 @@
 """Next-token choice for a whole batch at once, each row with its own parameters.
 
-Order: penalties on the raw logits, then greedy rows take the argmax; the others are scaled by
+Order: logit_bias, allowed_token_ids and grammar masks (structured output), penalties, then greedy rows take the argmax; the others are scaled by
 temperature, cut by top-k, top-p and min-p, and sampled by inverse CDF, which needs one uniform number per
 row: a seeded row draws it from its own generator, so its output does not depend on what else
 is in the batch.
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sequence import Sequence
+from .structured import apply_masks
 
 
 @dataclass
@@ -31,6 +32,30 @@ def _values(seqs: list[Sequence], attr: str, default: float) -> list[float]:
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logit_bias, allowed_token_ids and each constrained row's grammar mask (tokens it forbids get
+    -inf); a copy when any applies, so the raw logits stay for logprobs and a retry."""
+    biased = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+    allowed = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None]
+    constrained = [i for i, s in enumerate(seqs) if s.constraint is not None]
+    if not (biased or allowed or constrained):
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    for i in biased:
+        bias = seqs[i].params.logit_bias
+        logits[i, torch.tensor(list(bias), device=device)] += torch.tensor(list(bias.values()), device=device)
+    for i in allowed:
+        banned = torch.ones(logits.shape[1], dtype=torch.bool, device=device)
+        banned[torch.tensor(seqs[i].params.allowed_token_ids, device=device)] = False
+        logits[i].masked_fill_(banned, float("-inf"))
+    if constrained:
+        for i in constrained:  # already filled while the forward ran, unless the step took another path
+            seqs[i].constraint.fill(len(seqs[i]))
+        apply_masks(logits, constrained, [seqs[i].constraint for i in constrained])
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -114,10 +139,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     Everything runs on the logits' device; the chosen ids and the per-row fault flags come back to the
     host in one copy (logprobs, when asked for, read more)."""
     raw = logits
+    logits = apply_constraints(logits, seqs)
+    constrained = logits is not raw
     logits = apply_penalties(logits, seqs)
     best, chosen = logits.max(-1)
-    broken = ~torch.isfinite(best)  # NaN or infinity somewhere in the row: no token can be trusted
-    invalid = torch.zeros_like(broken)  # no valid distribution after the filters
+    # NaN or infinity somewhere in the row: no token can be trusted
+    broken = ~torch.isfinite(raw.max(-1).values if constrained else best)
+    # no valid distribution after the filters (or the masks left no token at all)
+    invalid = (best == float("-inf")) & ~broken if constrained else torch.zeros_like(broken)
     sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
     if sampled:
         rows = torch.tensor(sampled, device=logits.device)
@@ -125,14 +154,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         probs = filter_logits(logits[rows], subset).softmax(-1)
         chosen[rows] = draw(probs, subset)
         # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
-        invalid[rows] = ~torch.isfinite(probs[:, 0])
+        invalid[rows] |= ~torch.isfinite(probs[:, 0])
     token_ids, broken_rows, invalid_rows = torch.stack([chosen, broken.long(), invalid.long()]).tolist()
     errors = {}
     for i in range(len(seqs)):
         if broken_rows[i]:
             errors[i] = "the model's logits for this sequence are not finite (NaN or infinity)"
         elif invalid_rows[i]:
-            errors[i] = "this sequence's sampling parameters gave no valid distribution to sample from"
+            errors[i] = ("this sequence's sampling parameters (logit_bias, allowed_token_ids, its grammar or the "
+                         "filters) gave no valid distribution to sample from")
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):
         return SampleResult(token_ids, None, errors)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
+from .structured import StructuredOutput
+
 INT32_MAX = (1 << 31) - 1
 
 
@@ -60,6 +62,8 @@ TOKEN_ID = Range(0, INT32_MAX, integer=True)  # below the vocabulary size where 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256  # characters
 MAX_STOP_TOKEN_IDS = 64
+LOGIT_BIAS = Range(-100.0, 100.0)  # OpenAI's bound: -100 bans a token, 100 all but forces it
+MAX_LOGIT_BIAS = 1024  # entries in one logit_bias
 
 FLOAT_BOUNDS = {"temperature": TEMPERATURE, "top_p": TOP_P, "min_p": MIN_P, "repetition_penalty": REPETITION_PENALTY,
                 "presence_penalty": PRESENCE_PENALTY, "frequency_penalty": FREQUENCY_PENALTY}
@@ -82,6 +86,9 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs of each generated token (0: the chosen token's only)
     prompt_logprobs: int | None = None  # the same for each prompt token (disables prefix-cache hits)
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these tokens may be generated
+    structured: StructuredOutput | None = None  # a schema, regex, choice or grammar the output must match
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -137,6 +144,20 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 check(name, LOGPROBS)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must be a map of at most {MAX_LOGIT_BIAS} token ids to numbers")
+            if any(t not in TOKEN_ID or t > id_max for t in self.logit_bias):
+                bad("logit_bias", f"keys must be token ids in [0, {id_max}]")
+            if any(b not in LOGIT_BIAS for b in self.logit_bias.values()):
+                bad("logit_bias", f"values must be {LOGIT_BIAS}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                bad("allowed_token_ids", "must be a non-empty list of token ids")
+            if any(t not in TOKEN_ID or t > id_max for t in self.allowed_token_ids):
+                bad("allowed_token_ids", f"must be token ids in [0, {id_max}]")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            bad("structured", "must be a StructuredOutput")
 
 
 def _short(v) -> str:

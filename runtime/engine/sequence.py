@@ -41,6 +41,7 @@ class Sequence:
         self.first_token_time: float | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
+        self.constraint = None  # structured.Constraint, made by the engine when params.structured is set
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 

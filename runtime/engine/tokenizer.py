@@ -47,7 +47,9 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        self._env = env
         self._template = env.from_string(self.chat_template) if self.chat_template else None
+        self._other_templates: dict[str, object] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -62,13 +64,22 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders messages ({"role", "content"}) into the prompt text the model was tuned on."""
-        if self._template is None:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, template: str | None = None) -> str:
+        """Renders messages ({"role", "content"}, tool calls and results) into the prompt text the model
+        was tuned on; ``tools`` as transformers passes them; ``template`` instead of the artifact's."""
+        if template is not None:
+            compiled = self._other_templates.get(template)
+            if compiled is None:
+                compiled = self._other_templates[template] = self._env.from_string(template)
+        elif self._template is None:
             raise ValueError("this artifact has no chat template; send a raw prompt instead")
-        return self._template.render(
+        else:
+            compiled = self._template
+        extra = {"tools": tools} if tools else {}
+        return compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra,
         )
 
 

@@ -160,6 +160,8 @@ async def generate(request: Request, req: GenRequest):
                        headers={"Retry-After": str(_retry_after(state, waiting))})
     rid = new_id(req.kind)
     arrival = time.monotonic()
+    if req.constrained:
+        state.metrics.constrained(req.constrained)
     queue: asyncio.Queue = asyncio.Queue()
     sub_ids = [f"{rid}-{i}" for i in range(req.num_choices)]
     for i, sub in enumerate(sub_ids):

@@ -241,14 +241,19 @@ def load_engine(state, loop: asyncio.AbstractEventLoop) -> None:
     """Loader thread: builds the engine, then starts its loop; /health turns ready at the end."""
     from ..engine.engine import LLMEngine
     from .protocol import ModelInfo, TokenText, fan_out_limit
+    from .tool_calls import ToolSupport
 
     try:
         t0 = time.monotonic()
         engine = LLMEngine(state.artifact, state.config.engine)
         state.engine = engine
         state.kernels = engine.kernels.describe(engine.model.dtype)
+        tools = ToolSupport.for_template(engine.tokenizer.chat_template)
+        log.info("tools: %s", f"rendered by {tools.source}" if tools else "refused (no template renders them)")
+        engine.grammars.compiler()  # the grammar engine's view of the vocabulary, built before the first request
         state.info = ModelInfo(state.name, state.version, engine.max_request_tokens, engine.model.config.vocab_size,
-                               engine.tokenizer, fan_out_limit(state.config.max_queue))
+                               engine.tokenizer, fan_out_limit(state.config.max_queue), grammars=engine.grammars,
+                               tools=tools)
         state.token_text = TokenText(engine.tokenizer)
         runner = EngineLoop(engine, loop, state.metrics, state.config.log_requests, trace=state.trace)
         state.loop_runner = runner

@@ -94,7 +94,15 @@ class ServerMetrics:
                                  L + ["reason"], registry=r)
         for reason in ("queue_full", "draining"):
             self._rejected.labels(model_name, reason)
+        self._constrained = Counter("infer:constrained_requests",
+                                    "Requests whose output was held to a grammar, by kind (json, json_object, regex, "
+                                    "choice, grammar, tools).", L + ["kind"], registry=r)
+        for kind in ("json", "json_object", "regex", "choice", "grammar", "tools"):
+            self._constrained.labels(model_name, kind)
         self.registry.register(_EngineCollector(self))
+
+    def constrained(self, kind: str) -> None:
+        self._constrained.labels(self.model_name, kind).inc()
 
     def finished(self, reason: str) -> None:
         self._success.labels(self.model_name, reason or "abort").inc()

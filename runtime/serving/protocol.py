@@ -7,18 +7,28 @@ checked here before anything is tokenized or queued; the sampling bounds are the
 (``request_body_schemas``) is built from the same objects, so the schema and the 400s cannot
 drift apart. Nothing here touches the engine's state: it needs only a tokenizer, the context
 limit, the vocabulary size and the server's fan-out limit (see ``ModelInfo``).
+
+Weighed for the structured-output fields: declaring the bodies as pydantic models (as vLLM does) would
+give the schema for free, but its errors name a location path and a pydantic message rather than the
+field and its allowed range, and the OpenAPI schema is already built from the same bound objects as
+the checks. So the new fields are checked here too; JSON Schemas a client sends are checked with the
+``jsonschema`` library against their meta-schema, and compiled (``engine/structured.py``) while the
+request is parsed, in its worker thread.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..engine.sampling_params import (FLOAT_BOUNDS, LOGPROBS, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                      SEED, TOKEN_ID, Range, SamplingParams)
+from ..engine.sampling_params import (FLOAT_BOUNDS, LOGIT_BIAS, LOGPROBS, MAX_LOGIT_BIAS, MAX_STOP_LENGTH,
+                                      MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SEED, TOKEN_ID, Range, SamplingParams)
+from ..engine.structured import ENFORCED_KEYWORDS, MAX_WHITESPACE, GrammarError, StructuredOutput
+from .tool_calls import ToolFormat, ToolSupport
 
 MAX_N = 64  # n and best_of
 N = Range(1, MAX_N, integer=True)
@@ -161,14 +171,21 @@ def _typed(body: dict, name: str, kind: type, what: str) -> None:
         raise bad(name, f"must be {what}, got {_kind(v)}")
 
 
+# structured output as vLLM's clients send it: structured_outputs {json|regex|choice|grammar|json_object},
+# or the older guided_* fields (one of them at most, or response_format)
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed",
-           "presence_penalty", "frequency_penalty", "logit_bias", "user",
+           "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
            # the engine's extras, as vLLM names them
-           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens"}
+           "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+           "allowed_token_ids", "structured_outputs", *GUIDED_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "logprobs", "echo", "best_of", "prompt_logprobs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "response_format",
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
                          "add_generation_prompt", "modalities"}
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt"}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
@@ -190,6 +207,8 @@ class ModelInfo:
     vocab_size: int
     tokenizer: object
     max_choices: int = MAX_CHOICES  # sequences one request may fan out to: min(MAX_CHOICES, --max-queue)
+    grammars: object = None  # engine.structured.Grammars: compiles structured output (None: refused)
+    tools: ToolSupport | None = None  # how the model takes tools (None: requests with tools are refused)
 
     @property
     def ids(self) -> set[str]:
@@ -224,6 +243,8 @@ class GenRequest:
     logprobs: int | None = None
     discard_output: bool = False  # max_tokens=0 with echo: score the prompt, generate nothing
     extra: dict = field(default_factory=dict)
+    tool_format: ToolFormat | None = None  # set when the reply may hold tool calls: how to parse them
+    constrained: str | None = None  # the structured output's kind (counted in /metrics), or None
 
     @property
     def num_choices(self) -> int:
@@ -269,7 +290,183 @@ def _sampling_values(body: dict, info: ModelInfo) -> dict:
     stop_ids = _token_ids(body, "stop_token_ids", info, MAX_STOP_TOKEN_IDS)
     if stop_ids is not None:
         values["stop_token_ids"] = stop_ids
+    bias = _logit_bias(body, info)
+    if bias:
+        values["logit_bias"] = bias
+    allowed = _token_ids(body, "allowed_token_ids", info, info.vocab_size)
+    if allowed is not None:
+        if not allowed:
+            raise bad("allowed_token_ids", "is empty: give at least one token id (or leave it out)")
+        values["allowed_token_ids"] = allowed
     return values
+
+
+def _logit_bias(body: dict, info: ModelInfo) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids (as strings) to a bias in [-100, 100] added to their logits."""
+    v = body.get("logit_bias")
+    if v is None:
+        return None
+    if not isinstance(v, dict) or len(v) > MAX_LOGIT_BIAS:
+        raise bad("logit_bias", f"must be an object of at most {MAX_LOGIT_BIAS} token ids (as strings) to numbers")
+    out = {}
+    for key, b in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) < info.vocab_size):
+            raise bad("logit_bias", f"key {_shown(key)} is not a token id in [0, {info.vocab_size - 1}]")
+        if not _is_num(b) or b not in LOGIT_BIAS:
+            raise bad("logit_bias", f"the bias of token {key} must be {LOGIT_BIAS}, got {_shown(b)}")
+        out[int(key)] = float(b)
+    return out
+
+
+# ---------------------------------------------------------------------- structured output and tools
+MAX_GRAMMAR_CHARS = 100_000
+MAX_CHOICE_ITEMS = 1024
+
+
+def _schema(v, where: str, param: str):
+    """A JSON Schema given as an object (or a JSON string of one), checked against the meta-schema and
+    for keywords the grammar would not enforce."""
+    from jsonschema import Draft202012Validator, exceptions
+
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise APIError(400, f"{where} is not valid JSON: {str(e)[:200]}", param=param) from None
+    if not isinstance(v, (dict, bool)):
+        raise APIError(400, f"{where} must be a JSON Schema (an object), got {_kind(v)}", param=param)
+    try:
+        Draft202012Validator.check_schema(v)
+    except exceptions.SchemaError as e:
+        at = "/".join(str(p) for p in e.absolute_path) or "its top level"
+        raise APIError(400, f"{where} is not a valid JSON Schema at {at}: {e.message[:200]}", param=param) from None
+    except RecursionError:
+        raise APIError(400, f"{where} is nested too deeply", param=param) from None
+    try:
+        from ..engine.structured import check_schema_keywords
+
+        check_schema_keywords(v, where)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=param, code="unsupported_schema") from None
+    return v
+
+
+def _guided(kind: str, v, where: str, param: str) -> StructuredOutput:
+    if kind == "json":
+        return StructuredOutput("json", _schema(v, where, param), param)
+    if kind == "json_object":
+        if v is not True:
+            raise APIError(400, f"{where} must be true", param=param)
+        return StructuredOutput("json_object", None, param)
+    if kind == "choice":
+        if (not isinstance(v, list) or not 1 <= len(v) <= MAX_CHOICE_ITEMS
+                or not all(isinstance(c, str) and c for c in v)):
+            raise APIError(400, f"{where} must be a list of 1 to {MAX_CHOICE_ITEMS} non-empty strings", param=param)
+        return StructuredOutput("choice", v, param)
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_GRAMMAR_CHARS:
+        raise APIError(400, f"{where} must be a non-empty string of at most {MAX_GRAMMAR_CHARS} characters "
+                       f"({'a regular expression' if kind == 'regex' else 'an EBNF/GBNF or Lark grammar'})",
+                       param=param)
+    return StructuredOutput(kind, v, param)
+
+
+def _structured(body: dict) -> StructuredOutput | None:
+    """The one output constraint a request sets: response_format, structured_outputs or a guided_* field."""
+    found = []
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema") or \
+                set(rf) - {"type", "json_schema"}:
+            raise bad("response_format", 'must be {"type": "text"}, {"type": "json_object"} or {"type": '
+                                         '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+        if rf["type"] == "json_object":
+            found.append(StructuredOutput("json_object", None, "response_format"))
+        elif rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if not isinstance(js, dict) or set(js) - {"name", "description", "schema", "strict"}:
+                raise bad("response_format", "json_schema must be an object with name, schema, and optionally "
+                                             "description and strict")
+            found.append(StructuredOutput("json", _schema(js.get("schema", {"type": "object"}),
+                                                          "response_format.json_schema.schema", "response_format"),
+                                          "response_format"))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict) or set(so) - set(STRUCTURED_KINDS):
+            raise bad("structured_outputs", f"must be an object with one of {', '.join(STRUCTURED_KINDS)}")
+        found += [_guided(k, so[k], f"structured_outputs.{k}", "structured_outputs")
+                  for k in STRUCTURED_KINDS if so.get(k) is not None]
+    found += [_guided(kind, body[name], name, name) for name, kind in GUIDED_FIELDS.items()
+              if body.get(name) is not None]
+    if len(found) > 1:
+        raise bad(found[1].param, f"give one output constraint; {found[0].param} sets one already")
+    return found[0] if found else None
+
+
+def _tools(body: dict, info: ModelInfo):
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` checked; (tools, choice, parallel) or None."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = _bool(body, "parallel_tool_calls")
+    if not tools:
+        if tools is not None and not isinstance(tools, list):
+            raise bad("tools", "must be a list of function tools")
+        if choice not in (None, "none", "auto"):
+            raise bad("tool_choice", f"{_shown(choice)} needs tools: give the functions in tools")
+        return None
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise bad("tools", f"must be a list of at most {MAX_TOOLS} function tools")
+    names = []
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(f, dict) or set(t) - {"type", "function"}:
+            raise APIError(400, f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": '
+                                f'{{...}}}}}}', param="tools")
+        if set(f) - {"name", "description", "parameters", "strict"}:
+            extra = sorted(set(f) - {"name", "description", "parameters", "strict"})[0]
+            raise APIError(400, f"{where}.function has an unknown key {_shown(extra)}; known: name, description, "
+                                f"parameters, strict", param="tools")
+        if not isinstance(f.get("name"), str) or not TOOL_NAME.match(f["name"]):
+            raise APIError(400, f"{where}.function.name must be 1 to 64 letters, digits, _ or -", param="tools")
+        if f["name"] in names:
+            raise APIError(400, f"{where}.function.name {f['name']!r} is given twice", param="tools")
+        names.append(f["name"])
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise APIError(400, f"{where}.function.description must be a string", param="tools")
+        if f.get("parameters") is not None:
+            _schema(f["parameters"], f"{where}.function.parameters", "tools")
+    if info.tools is None:
+        raise APIError(400, "tools: this model's chat template does not render tools and it is not a ChatML model "
+                       "(infer's tool template is ChatML); leave tools out", param="tools",
+                       code="unsupported_parameter")
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        name = choice.get("function", {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                     '{"name": ...}}')
+        if name not in names:
+            raise bad("tool_choice", f"names the function {_shown(name)}, which is not in tools "
+                                     f"({', '.join(names)})")
+        choice = {"type": "function", "function": {"name": name}}
+    elif choice not in ("none", "auto", "required"):
+        raise bad("tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": '
+                                 '{"name": ...}}')
+    return tools, choice, parallel is not False
+
+
+def _compile(info: ModelInfo, so: StructuredOutput | None) -> StructuredOutput | None:
+    """Compiles a constraint now (in the request's worker thread): one that does not compile is the
+    client's 400 naming its field, and the engine thread never waits on a compiler."""
+    if so is None:
+        return None
+    if info.grammars is None:
+        raise APIError(400, f"{so.param}: this server does not constrain output", param=so.param,
+                       code="unsupported_parameter")
+    try:
+        return info.grammars.compile(so)
+    except GrammarError as e:
+        raise APIError(400, str(e), param=so.param, code="invalid_structured_output") from None
 
 
 def _sampling(values: dict, kind: str, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
@@ -399,7 +596,6 @@ def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
     if "prompt" not in body:
         raise bad("prompt", "is required")
     _unsupported(body, "suffix", lambda v: v == "", "leave it out")
-    _unsupported(body, "logit_bias", lambda v: v == {}, "leave it out (or send {})")
     _typed(body, "user", str, "a string")
     stream = bool(_bool(body, "stream"))
     include_usage = _stream_opts(body, stream)
@@ -412,8 +608,11 @@ def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
         raise APIError(400, f"best_of={best_of} with n={n}: best_of other than n is not supported; leave it out",
                        param="best_of", code="unsupported_parameter")
     values = _sampling_values(body, info)
+    structured = _structured(body)
     _check_max_tokens_bound(body, ("max_tokens",), info, 0 if echo else 1)
     prompts, texts = tokenize_prompts(body["prompt"], info, n)
+    if _compile(info, structured) is not None:
+        values["structured"] = structured
     for ids in prompts:
         _limits(info, ids, "prompt")
     if echo and logprobs is not None:
@@ -426,7 +625,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
         for i in range(n):
             params.append(_sampling(values, "completion", mt, logprobs, prompt_logprobs, _choice_seed(seed, i)))
     return GenRequest("completion", prompts, texts, params, n, stream, include_usage, echo=echo,
-                      logprobs=logprobs, discard_output=discard)
+                      logprobs=logprobs, discard_output=discard, constrained=structured and structured.kind)
 
 
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -454,20 +653,67 @@ def chat_messages(messages, info: ModelInfo | None = None) -> list[dict]:
                     raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
                 parts.append(part["text"])
             content = "".join(parts)
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if content is None and calls:
+            content = ""  # an assistant turn that only calls tools
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param="messages")
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if calls is not None:
+            msg["tool_calls"] = _message_tool_calls(calls, f"messages[{i}].tool_calls")
+            chars += sum(len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"]))
+                         for c in msg["tool_calls"])
+        if role == "tool":
+            for key in ("tool_call_id", "name"):
+                if m.get(key) is not None:
+                    if not isinstance(m[key], str):
+                        raise APIError(400, f"messages[{i}].{key} must be a string", param="messages")
+                    msg[key] = m[key]
         chars += len(content)
         if info is not None:
             _check_chars(info, chars, "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        out.append(msg)
     return out
 
 
-def render_chat(info: ModelInfo, messages: list[dict], add_generation_prompt: bool) -> str:
-    """The chat template applied; a template's refusal is the client's 400, and so is a result too long."""
+def _message_tool_calls(calls, where: str) -> list[dict]:
+    """An assistant turn's tool calls, their arguments parsed from the JSON string OpenAI sends (chat
+    templates take them as objects, as transformers passes them)."""
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list of tool calls", param="messages")
+    out = []
+    for k, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise APIError(400, f'{where}[{k}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                                f'"arguments": "..."}}}}', param="messages")
+        args = f.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise APIError(400, f"{where}[{k}].function.arguments is not valid JSON", param="messages") from None
+        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{k}", "type": "function",
+                    "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def render_chat(info: ModelInfo, messages: list[dict], add_generation_prompt: bool,
+                tools: list[dict] | None = None) -> str:
+    """The chat template applied; a template's refusal is the client's 400, and so is a result too long.
+
+    With tools, or tool calls and results in the conversation, a model whose own template cannot render
+    them gets infer's ChatML tool template (``ToolSupport``)."""
+    template = None
+    if tools or any("tool_calls" in m or m["role"] == "tool" for m in messages):
+        if info.tools is None:
+            raise APIError(400, "messages: tool calls and tool results need a chat template that renders them; "
+                           "this model's does not", param="messages")
+        template = info.tools.template
     try:
-        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        extra = {"tools": tools, "template": template} if tools or template else {}
+        text = info.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **extra)
     except ValueError as e:
         raise APIError(400, str(e), param="messages") from None
     except Exception as e:  # jinja2 TemplateError raised by the template itself (e.g. role order)
@@ -481,10 +727,6 @@ def parse_chat(body: dict, info: ModelInfo) -> GenRequest:
     _check_model(body, info)
     if "messages" not in body:
         raise bad("messages", "is required")
-    _unsupported(body, "logit_bias", lambda v: v == {}, "leave it out (or send {})")
-    _unsupported(body, "tools", lambda v: v == [], "this server does not call tools")
-    _unsupported(body, "tool_choice", lambda v: v == "none", "this server does not call tools")
-    _unsupported(body, "response_format", lambda v: v == {"type": "text"}, "only {\"type\": \"text\"}")
     _unsupported(body, "modalities", lambda v: v == ["text"], "only [\"text\"]")
     for name, kind, what in (("user", str, "a string"), ("service_tier", str, "a string"),
                              ("metadata", dict, "an object"), ("store", bool, "true or false"),
@@ -501,14 +743,31 @@ def parse_chat(body: dict, info: ModelInfo) -> GenRequest:
     _check_fan_out(info, 1, n)
     add_gen = _bool(body, "add_generation_prompt")
     values = _sampling_values(body, info)
+    structured = _structured(body)
+    tooling = _tools(body, info)
+    calling = tooling is not None and tooling[1] != "none"
+    if calling and structured is not None:
+        raise bad(structured.param, "cannot be combined with tools (tool_choice other than \"none\"): the "
+                                    "tool-call format is the output's constraint")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     _check_max_tokens_bound(body, ("max_tokens", "max_completion_tokens"), info, 1)
-    text = render_chat(info, chat_messages(body["messages"], info), add_gen is not False)
+    text = render_chat(info, chat_messages(body["messages"], info), add_gen is not False,
+                       tools=tooling[0] if tooling else None)
     ids = info.tokenizer.encode(text)
     _limits(info, ids, "messages")
     mt = _max_tokens(body, name, None, info, len(ids), allow_zero=False)
+    if calling:
+        try:
+            tag = info.tools.structural_tag(*tooling, max_whitespace=MAX_WHITESPACE)
+        except ValueError as e:
+            raise APIError(400, f"tools: {str(e)[:300]}", param="tools") from None
+        structured = StructuredOutput("structural_tag", tag, "tools")
+    if _compile(info, structured) is not None:
+        values["structured"] = structured
     params = [_sampling(values, "chat", mt, logprobs, None, _choice_seed(seed, i)) for i in range(n)]
-    return GenRequest("chat", [ids], [text], params, n, stream, include_usage, logprobs=logprobs)
+    return GenRequest("chat", [ids], [text], params, n, stream, include_usage, logprobs=logprobs,
+                      tool_format=info.tools.format if calling else None,
+                      constrained="tools" if calling else structured and structured.kind)
 
 
 def parse_tokenize(body: dict, info: ModelInfo) -> dict:
@@ -590,7 +849,29 @@ def request_body_schemas(info: ModelInfo | None) -> dict[str, dict]:
         "seed": _described(SEED.json_schema(), "choice i of n uses seed + i"),
         "presence_penalty": FLOAT_BOUNDS["presence_penalty"].json_schema(),
         "frequency_penalty": FLOAT_BOUNDS["frequency_penalty"].json_schema(),
-        "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported: only {}"},
+        "logit_bias": {"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                       "additionalProperties": LOGIT_BIAS.json_schema(),
+                       "description": "token id (as a string) to a bias added to its logit"},
+        "allowed_token_ids": {"type": "array", "items": token, "minItems": 1,
+                              "description": "only these tokens may be generated"},
+        "response_format": {"anyOf": [
+            {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"],
+             "additionalProperties": False},
+            {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+             "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                 "type": "object", "additionalProperties": False, "properties": {
+                     "name": {"type": "string"}, "description": {"type": "string"}, "schema": {"type": "object"},
+                     "strict": {"type": "boolean"}}}}}],
+            "description": "JSON output: any object, or one matching a JSON Schema (the keywords enforced: "
+                           + ", ".join(sorted(ENFORCED_KEYWORDS)) + "; any other is refused)"},
+        "structured_outputs": {"type": "object", "minProperties": 1, "maxProperties": 1, "additionalProperties": False,
+                               "properties": {"json": {"type": "object"}, "regex": {"type": "string"},
+                                              "choice": {"type": "array", "items": {"type": "string"}},
+                                              "grammar": {"type": "string", "description": "EBNF/GBNF or Lark"},
+                                              "json_object": {"const": True}},
+                               "description": "vLLM's structured output field; one constraint per request"},
+        **{name: {"description": f"vLLM's older form of structured_outputs.{kind}"}
+           for name, kind in GUIDED_FIELDS.items()},
         "user": {"type": "string"},
         "top_k": _described(top_k, "-1 or 0: off"),
         "min_p": FLOAT_BOUNDS["min_p"].json_schema(),
@@ -619,10 +900,20 @@ def request_body_schemas(info: ModelInfo | None) -> dict[str, dict]:
         "max_completion_tokens": tokens_bound(1),
         "logprobs": {"type": "boolean"},
         "top_logprobs": _described(LOGPROBS.json_schema(), "needs logprobs: true"),
-        "response_format": {"type": "object", "properties": {"type": {"const": "text"}}, "required": ["type"],
-                            "additionalProperties": False},
-        "tools": {"type": "array", "maxItems": 0, "description": "not supported: only []"},
-        "tool_choice": {"const": "none"},
+        "tools": {"type": "array", "maxItems": MAX_TOOLS, "items": {
+            "type": "object", "required": ["type", "function"], "additionalProperties": False,
+            "properties": {"type": {"const": "function"}, "function": {
+                "type": "object", "required": ["name"], "additionalProperties": False,
+                "properties": {"name": {"type": "string", "pattern": TOOL_NAME.pattern},
+                               "description": {"type": "string"}, "parameters": {"type": "object"},
+                               "strict": {"type": "boolean"}}}}}},
+        "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]},
+                                  {"type": "object", "required": ["type", "function"],
+                                   "properties": {"type": {"const": "function"},
+                                                  "function": {"type": "object", "required": ["name"],
+                                                               "properties": {"name": {"type": "string"}}}}}],
+                        "description": "required or a named function: the reply is tool calls whose arguments "
+                                       "match the function's parameters"},
         "parallel_tool_calls": {"type": "boolean"},
         "store": {"type": "boolean"},
         "metadata": {"type": "object"},

@@ -1,5 +1,9 @@
 """One HTTP generation request's view of its engine requests: the JSON response or the SSE stream.
 
+A chat request with tools gets the model's tool calls parsed into ``message.tool_calls`` (streamed:
+content up to the first call's marker as it comes, then the calls as ``delta.tool_calls`` once the
+choice ends) and ``finish_reason: "tool_calls"``. A choice cut by max_tokens stays "length".
+
 A choice the engine failed (finish_reason "error") fails its HTTP request alone: a 500 error
 object, or in a stream (whose 200 is already sent) an in-band ``data: {"error": ...}`` event and
 ``[DONE]``; the request's other choices are aborted.
@@ -12,6 +16,7 @@ import json
 import logging
 
 from .protocol import APIError, GenRequest, chat_logprobs, completion_logprobs, now, usage
+from .tool_calls import content_before_marker
 from .trace import stream_delay_record
 
 log = logging.getLogger("infer.server")
@@ -112,6 +117,10 @@ class Generation:
             c = {"index": i, "logprobs": lp, "finish_reason": out.finish_reason}
             if self.req.kind == "chat":
                 c["message"] = {"role": "assistant", "content": text}
+                content, calls = self._tool_calls(out, text)
+                if calls:
+                    c["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    c["finish_reason"] = "tool_calls"
             else:
                 c["text"] = text
             c["metrics"] = fin.as_dict() if fin else None
@@ -119,6 +128,12 @@ class Generation:
         return {"id": self.rid, "object": "chat.completion" if self.req.kind == "chat" else "text_completion",
                 "created": self.created, "model": self.state.name, "choices": choices, "usage": self._usage(),
                 "system_fingerprint": f"infer-{self.state.version}"}
+
+    def _tool_calls(self, out, text: str) -> tuple[str | None, list[dict]]:
+        """The choice's tool calls (none unless the request had tools and the choice ended by itself)."""
+        if self.req.tool_format is None or out.finish_reason != "stop":
+            return text, []
+        return self.req.tool_format.parse(text)
 
     def _log_outputs(self) -> None:
         if self.state.config.log_requests:
@@ -138,6 +153,8 @@ class Generation:
         chat = req.kind == "chat"
         emitted = [0] * len(self.sub_ids)  # tokens already sent per choice
         started = [False] * len(self.sub_ids)
+        said = [""] * len(self.sub_ids)  # with tools: the text so far, and how much went out as content
+        sent = [0] * len(self.sub_ids)
         trace = self.state.trace
         try:
             if chat:
@@ -167,11 +184,24 @@ class Generation:
                     if out.finished:
                         self.final[i] = (out, fin)
                     if chat:
-                        if text or lp:
-                            choices.append({"index": i, "delta": {"content": text}, "logprobs": lp,
-                                            "finish_reason": None})
+                        reason, calls = out.finish_reason, []
+                        if req.tool_format is not None:  # content stops where a call begins; calls at the end
+                            said[i] += text
+                            if out.finished:
+                                content, calls = self._tool_calls(out, said[i])
+                                reason = "tool_calls" if calls else reason
+                                shown = said[i] if not calls else (content or "")
+                            else:
+                                shown = content_before_marker(said[i], req.tool_format.marker)
+                            text = shown[sent[i]:] if shown.startswith(said[i][:sent[i]]) else ""
+                            sent[i] = max(sent[i], len(shown))
+                        if text or lp or calls:
+                            delta = {"content": text}
+                            if calls:
+                                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
+                            choices.append({"index": i, "delta": delta, "logprobs": lp, "finish_reason": None})
                         if out.finished:  # its own chunk, after the last content, as OpenAI sends it
-                            c = {"index": i, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+                            c = {"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}
                             c["metrics"] = fin.as_dict() if fin else None
                             finals.append(c)
                     elif text or lp or out.finished:
