@@ -238,3 +238,30 @@ def test_readme_lists_families_from_the_declaration():
     assert start in readme and end in readme
     section = readme[readme.index(start) + len(start):readme.index(end)]
     assert section == markdown_table()
+
+
+def test_qwen3_tensor_parallel_is_refused_before_quantizing(tmp_path):
+    """Sharding knows Llama and Qwen2 only so far: a tp=2 Qwen3 build stops right after the load stage."""
+    from infer.pipeline.stage import BuildError
+
+    _checkpoint(tmp_path / "src", "qwen3")
+    with pytest.raises(BuildError, match=r"parallel.tp=2: sharding knows Llama and Qwen2.*model_type 'qwen3'.*parallel.tp=1"):
+        _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_merged_trtllm_config_keeps_rope_scaling():
+    """pipeline/merge.py's HF config for a TensorRT-LLM checkpoint keeps its rotary scaling: the merged
+    config gives the same rotary tables as the HF config it came from."""
+    from infer.pipeline.merge import _hf_config
+    from infer.runtime.model.llama import RotaryEmbedding
+
+    hf = _config("llama3").to_dict()
+    scaling = {k: v for k, v in hf["rope_parameters"].items() if k not in ("rope_type", "rope_theta")}
+    trt = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "vocab_size": VOCAB, "max_position_embeddings": CONTEXT,
+           "rotary_base": hf["rope_parameters"]["rope_theta"], "rotary_scaling": {"type": "llama3", **scaling}}
+    merged = _hf_config(trt, "llama", 16, True, "F32", {})
+    ours, want = (RotaryEmbedding.for_config(ModelConfig.from_hf(c)) for c in (merged, hf))
+    assert ModelConfig.from_hf(merged).rope_scaling["rope_type"] == "llama3"
+    assert torch.equal(ours.cos, want.cos) and torch.equal(ours.sin, want.sin)
