@@ -265,3 +265,21 @@ def test_merged_trtllm_config_keeps_rope_scaling():
     ours, want = (RotaryEmbedding.for_config(ModelConfig.from_hf(c)) for c in (merged, hf))
     assert ModelConfig.from_hf(merged).rope_scaling["rope_type"] == "llama3"
     assert torch.equal(ours.cos, want.cos) and torch.equal(ours.sin, want.sin)
+
+
+def test_older_config_spellings_read_alike():
+    """rope_scaling with a top-level rope_theta (configs written before transformers 5) gives the tables
+    rope_parameters does; Qwen's sliding_window counts only with use_sliding_window."""
+    from infer.runtime.model.llama import RotaryEmbedding
+
+    new = _config("llama3").to_dict()
+    old = {k: v for k, v in new.items() if k != "rope_parameters"}
+    old["rope_theta"] = new["rope_parameters"]["rope_theta"]
+    old["rope_scaling"] = {"type": "llama3", **{k: v for k, v in new["rope_parameters"].items()
+                                                if k not in ("rope_type", "rope_theta")}}
+    a, b = (RotaryEmbedding.for_config(ModelConfig.from_hf(c)) for c in (new, old))
+    assert torch.equal(a.cos, b.cos) and ModelConfig.from_hf(old).rope_scaling["factor"] == 8.0
+    qwen = {**_config("qwen2-yarn").to_dict(), "sliding_window": 32, "use_sliding_window": False}
+    check_config(qwen)  # Qwen2.5's config.json: a window stated, switched off
+    with pytest.raises(UnsupportedConfig, match=r"sliding_window=32 is not supported below max_position_embeddings"):
+        check_config({**qwen, "use_sliding_window": True})
