@@ -60,6 +60,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model, KV cache and sampler run: auto is cuda when torch sees a GPU, else cpu "
                         "(default auto)")
+    p.add_argument("--speculative", choices=["off", "ngram"], default="off",
+                   help="speculative decoding: ngram drafts from the prompt and output so far (prompt lookup), "
+                        "verified k at a time; greedy requests only (default off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
+                   help="draft tokens per step with --speculative (default 4)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on cuda with the triton kernels, replay decode steps as a CUDA graph per batch bucket, "
                         "captured at load; --no-cuda-graphs runs every step eagerly (default on)")
@@ -105,7 +110,8 @@ def engine_config(args: argparse.Namespace):
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_batch_tokens=args.prefill_batch_tokens,
-                        tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs)
+                        tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs,
+                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def retune(args: argparse.Namespace, artifact) -> None:

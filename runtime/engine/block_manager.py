@@ -178,6 +178,19 @@ class BlockManager:
         child.num_computed_tokens = shared * self.block_size
         child.num_hashed_blocks = min(parent.num_hashed_blocks, shared)
 
+    def trim(self, seq: Sequence) -> None:
+        """Gives back blocks past what the sequence's tokens need (rejected speculative tokens had them).
+        They hold no verified token, so they were never hashed."""
+        keep = -(-len(seq) // self.block_size)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.hash, block.token_ids = None, ()
+                self.free[block_id] = None
+                self.free.move_to_end(block_id, last=False)
+        del seq.block_table[keep:]
+
     def free_sequence(self, seq: Sequence) -> None:
         """Returns a sequence's blocks; the newest go to the back of the free list, last to be evicted."""
         for block_id in reversed(seq.block_table):

@@ -32,6 +32,7 @@ from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
+from .speculative import NgramProposer, SpeculativeConfig, accepted_prefix, eligible
 from .structured import Constraint, Grammars, MaskFiller
 from .step_record import StepRecord, new_step_records
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -63,6 +64,9 @@ class EngineConfig:
     device: str = "auto"
     # on cuda with the triton kernels: decode steps replay a CUDA graph per batch bucket (False: eager)
     cuda_graphs: bool = True
+    # speculative decoding: off | ngram (prompt lookup; runtime/engine/speculative.py), k tokens a step
+    speculative: str = "off"
+    num_speculative_tokens: int = 4
 
 
 @dataclass
@@ -225,7 +229,10 @@ class LLMEngine:
         self.grammars = Grammars(self.artifact.path / "tokenizer.json", self.model.config.vocab_size,
                                  sorted(self.eos_token_ids))
         self.mask_filler = MaskFiller()
-        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0}
+        spec = SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens)
+        self.proposer = NgramProposer(spec) if spec.method == "ngram" else None
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
+                      "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_emitted": 0}
 
     # ------------------------------------------------------------------ requests
     @property
@@ -295,6 +302,8 @@ class LLMEngine:
         engine consistent: the caller may abort its requests and go on.
         """
         wall, t_start = time.time(), time.perf_counter()
+        if self.proposer is not None:
+            self._draft()
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
@@ -320,17 +329,25 @@ class LLMEngine:
         self.stats["steps"] += 1
         outputs = [self._fail(seq, f"the forward pass failed on this request: {_describe(e)}")
                    for (seq, _), e in failed]
-        to_sample, rows = [], []
+        to_sample, rows, verify = [], [], []
         for part, result in ran:
             for seq, n in part:
                 try:
                     self._advance(seq, n, result)
                 except Exception as e:
                     outputs.append(self._fail(seq, f"recording this request's step failed: {_describe(e)}"))
-            keep = [j for j, seq in enumerate(result.sampled) if not seq.is_finished]
+            keep, first = [], 0
+            for seq in result.sampled:  # a sequence with a draft has a row for each draft token too
+                count = 1 + len(seq.spec.draft)
+                if not seq.is_finished:
+                    if count > 1:
+                        verify.append((seq, result.logits[first:first + count]))
+                    else:
+                        keep.append(first)
+                        to_sample.append(seq)
+                first += count
             if keep:
-                rows.append(result.logits if len(keep) == len(result.sampled) else result.logits[keep])
-                to_sample += [result.sampled[j] for j in keep]
+                rows.append(result.logits if len(keep) == result.logits.shape[0] else result.logits[keep])
         if masks is not None:
             try:
                 masks.result()
@@ -339,6 +356,11 @@ class LLMEngine:
         t_sample = self._sampled_at = time.perf_counter()
         if to_sample:
             outputs += self._sample(rows[0] if len(rows) == 1 else torch.cat(rows), to_sample)
+        for seq, logits in verify:
+            try:
+                outputs.append(self._verify(seq, logits))
+            except Exception as e:
+                outputs.append(self._fail(seq, f"verifying this request's draft failed: {_describe(e)}"))
         t_end = time.perf_counter()
         self.step_records.append(StepRecord(
             step=self.stats["steps"], t=wall, schedule_ms=(t_model - t_start) * 1e3,
@@ -355,7 +377,8 @@ class LLMEngine:
             self._record_prompt_logprobs(seq, *result.prompt_logits[seq.seq_id])
         self.stats["prompt_tokens"] += max(0, min(computed + n, seq.num_prompt_tokens) - computed)
         seq.num_computed_tokens = computed + n
-        self.block_manager.register_full_blocks(seq)
+        if not seq.spec.draft:  # a draft's tokens are hashed only once verified (_verify)
+            self.block_manager.register_full_blocks(seq)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         """Chooses each sequence's next token; a row the sampler fails on fails its own request.
@@ -386,6 +409,43 @@ class LLMEngine:
                 except Exception as e:
                     outputs.append(self._fail(seq, f"detokenizing or checking stop conditions failed: {_describe(e)}"))
         return outputs
+
+    def _draft(self) -> None:
+        """Appends an n-gram draft to each running sequence about to decode, where the rule allows
+        (runtime/engine/speculative.py): verified in this step's forward pass."""
+        running = self.scheduler.running
+        if len(running) > self.proposer.config.max_batch:
+            return
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1 or not eligible(seq):
+                continue
+            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_request_tokens - len(seq) - 1)
+            self.proposer.draft(seq, room)
+
+    def _verify(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        """Greedy acceptance of a sequence's draft: the tokens the target would have chosen anyway, plus
+        its own next one; the rest of the draft is taken back and its blocks given back."""
+        if not torch.isfinite(logits).all():
+            raise ValueError("the model's logits for this sequence are not finite (NaN or infinity)")
+        draft = seq.spec.draft
+        emit = accepted_prefix(draft, logits.argmax(-1).tolist())
+        seq.spec.drafted += len(draft)
+        seq.spec.accepted += len(emit) - 1
+        self.stats["spec_steps"] += 1
+        self.stats["spec_drafted"] += len(draft)
+        self.stats["spec_accepted"] += len(emit) - 1
+        seq.drop_draft()
+        seq.num_computed_tokens = len(seq)  # the last verified token's K/V went in with the draft's
+        now, out = time.monotonic(), None
+        for token in emit:
+            out = self._append(seq, token, None, now)
+            self.stats["spec_emitted"] += 1
+            if seq.is_finished:
+                return out
+        seq.num_computed_tokens = len(seq) - 1  # the accepted draft tokens' K/V are in; the new last is not
+        self.block_manager.register_full_blocks(seq)
+        self.block_manager.trim(seq)
+        return out
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:
         """Adds a sampled token: its text, stop strings and tokens, the finish reason."""

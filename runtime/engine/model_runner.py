@@ -78,7 +78,9 @@ def graph_buckets_for(device: torch.device, backend: str, enabled: bool, max_num
 @dataclass
 class StepOutput:
     sampled: list[Sequence]  # sequences that reached their last token: one new token each
-    logits: torch.Tensor  # [len(sampled), vocab] float32
+    # [rows, vocab] float32: one row per sampled sequence, or 1 + its draft's length for one with a draft
+    # (the rows of its last verified token and of each draft token, in order)
+    logits: torch.Tensor
     prompt_logits: dict[int, tuple[int, torch.Tensor]]  # seq_id -> (first position, logits of its chunk rows)
 
 
@@ -224,7 +226,8 @@ class ModelRunner:
             if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens:
                 prompt_logits[seq.seq_id] = (start, self.model.compute_logits(hidden[row:row + n]))
             if start + n == len(seq):
-                rows.append(row + n - 1)
+                drafted = len(seq.spec.draft)
+                rows.extend(range(row + n - 1 - drafted, row + n))
                 sampled.append(seq)
             row += n
         if len(rows) == hidden.shape[0]:  # every row (a decode-only step): no gather

@@ -54,8 +54,21 @@ def apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
     if constrained:
         for i in constrained:  # already filled while the forward ran, unless the step took another path
             seqs[i].constraint.fill(len(seqs[i]))
-        apply_masks(logits, constrained, [seqs[i].constraint for i in constrained])
+        # a greedy row (no penalties to move its argmax) whose best token the grammar allows needs no mask:
+        # it picks that token either way, and a mask over the whole vocabulary costs more than the check
+        plain = [i for i in constrained if _argmax_decides(seqs[i])]
+        if plain:
+            best = logits[plain].argmax(-1).tolist()
+            allowed = {i for i, t in zip(plain, best) if seqs[i].constraint.allows(t)}
+            constrained = [i for i in constrained if i not in allowed]
+        if constrained:
+            apply_masks(logits, constrained, [seqs[i].constraint for i in constrained])
     return logits
+
+
+def _argmax_decides(seq: Sequence) -> bool:
+    p = seq.params
+    return p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

@@ -89,6 +89,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     allowed_token_ids: list[int] | None = None  # only these tokens may be generated
     structured: StructuredOutput | None = None  # a schema, regex, choice or grammar the output must match
+    speculative: bool = True  # False: never draft for this request (where the engine speculates)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -129,7 +130,7 @@ class SamplingParams:
                          + (" (the vocabulary size)" if vocab_size else ""))
         if self.seed is not None:
             check("seed", SEED, " (what torch.Generator takes)")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be true or false")
         if len(self.stop) > MAX_STOP_STRINGS:

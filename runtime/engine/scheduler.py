@@ -73,6 +73,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.drop_draft()
         self.bm.free_sequence(seq)
         seq.status = Status.WAITING
         seq.num_cached_tokens = 0
@@ -92,6 +93,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if n < seq.num_uncomputed_tokens and seq.spec.draft:  # a draft that does not fit is dropped
+                seq.drop_draft(max(0, n - 1))
+                n = seq.num_uncomputed_tokens
             while not self.bm.can_allocate(seq, n):
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -9,6 +9,7 @@ from itertools import count
 import torch
 
 from .sampling_params import SamplingParams
+from .speculative import SpecState
 
 _ids = count()
 
@@ -42,6 +43,7 @@ class Sequence:
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         self.constraint = None  # structured.Constraint, made by the engine when params.structured is set
+        self.spec = SpecState()  # speculative decoding: the pending draft and its acceptance so far
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
 
@@ -63,6 +65,13 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
+
+    def drop_draft(self, keep: int = 0) -> None:
+        """Takes back the pending draft's tokens past its first ``keep`` (they were never verified)."""
+        extra = len(self.spec.draft) - keep
+        if extra > 0:
+            del self.token_ids[len(self.token_ids) - extra:]
+            self.spec.draft = self.spec.draft[:keep]
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

@@ -193,6 +193,10 @@ class Constraint:
             self.matcher.fill_next_token_bitmask(self.bitmask, 0)
             self.filled_at = length
 
+    def allows(self, token: int) -> bool:
+        """Whether the filled mask allows ``token`` next."""
+        return bool((int(self.bitmask[0, token >> 5]) >> (token & 31)) & 1)
+
     def accept(self, token: int) -> bool:
         return self.matcher.accept_token(token)
 

@@ -112,7 +112,8 @@ class EngineLoop:
         return {"running": self.num_running, "waiting": self.num_waiting, "kv_usage": e.kv_usage(),
                 "blocks_used": bm.num_blocks - bm.num_free_blocks, "blocks_total": bm.num_blocks,
                 "prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
-                "preemptions": e.scheduler.num_preemptions, "steps": e.stats.get("steps", 0)}
+                "preemptions": e.scheduler.num_preemptions, "steps": e.stats.get("steps", 0),
+                **{k: v for k, v in e.stats.items() if k.startswith("spec_")}}
 
     # ---- engine thread
     def _deliver(self, queue: asyncio.Queue, item) -> None:

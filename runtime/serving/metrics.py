@@ -54,6 +54,14 @@ class _EngineCollector:
         yield counter("infer:num_preemptions", "Requests preempted (recomputed later) for lack of KV blocks.",
                       snap.get("preemptions", 0))
         yield counter("infer:engine_steps", "Engine steps (forward passes) run.", snap.get("steps", 0))
+        # speculative decoding, as vLLM names it (spec_decode_*)
+        yield counter("infer:spec_decode_num_drafts", "Drafts verified (one per sequence per step that drafted).",
+                      snap.get("spec_steps", 0))
+        yield counter("infer:spec_decode_num_draft_tokens", "Draft tokens verified.", snap.get("spec_drafted", 0))
+        yield counter("infer:spec_decode_num_accepted_tokens", "Draft tokens accepted.", snap.get("spec_accepted", 0))
+        yield counter("infer:spec_decode_num_emitted_tokens",
+                      "Tokens emitted by steps that verified a draft (accepted plus the target's own).",
+                      snap.get("spec_emitted", 0))
 
 
 class ServerMetrics:

@@ -179,7 +179,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
            # the engine's extras, as vLLM names them
            "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "allowed_token_ids", "structured_outputs", *GUIDED_FIELDS}
+           "allowed_token_ids", "structured_outputs", "speculative", *GUIDED_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "logprobs", "echo", "best_of", "prompt_logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
@@ -283,7 +283,7 @@ def _sampling_values(body: dict, info: ModelInfo) -> dict:
                                                      f"(the vocabulary size)")
     if top_k is not None:
         values["top_k"] = -1 if top_k == 0 else top_k  # 0 is "off" in some clients
-    for name in ("ignore_eos", "skip_special_tokens"):
+    for name in ("ignore_eos", "skip_special_tokens", "speculative"):
         v = _bool(body, name)
         if v is not None:
             values[name] = v
@@ -879,6 +879,7 @@ def request_body_schemas(info: ModelInfo | None) -> dict[str, dict]:
         "ignore_eos": {"type": "boolean"},
         "stop_token_ids": {"type": "array", "items": token, "maxItems": MAX_STOP_TOKEN_IDS},
         "skip_special_tokens": {"type": "boolean"},
+        "speculative": _described({"type": "boolean"}, "false: this request never drafts (infer-run --speculative)"),
     }
     completion = {
         **common,

@@ -1,0 +1,114 @@
+"""Speculative decoding with n-gram drafts: greedy outputs token-identical with it on and off (float32,
+with chunked prefill, prefix-cache hits and preemption all happening), drafts actually accepted,
+requests it does not apply to untouched, and the prefix cache never holding an unverified token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from infer.runtime.engine.speculative import accepted_prefix, propose_ngram
+
+
+def test_propose_ngram_continues_the_latest_earlier_match():
+    tokens = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert propose_ngram(tokens, 3, 4, 2) == [8, 9, 1]  # "5 6 7" seen before: what followed it
+    assert propose_ngram([1, 2, 3, 4], 3, 4, 2) == []  # no earlier occurrence
+    assert propose_ngram([1, 2, 1, 2, 9, 1, 2], 2, 3, 2) == [9, 1]  # the most recent earlier match wins
+    # a byte pattern that matches across token boundaries is not a token match
+    assert propose_ngram([256, 1, 0, 0, 1], 2, 2, 2) == []
+
+
+def test_greedy_acceptance_keeps_the_target_tokens():
+    assert accepted_prefix([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accepted_prefix([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accepted_prefix([4, 5, 6], [1, 5, 6, 7]) == [1]
+
+
+def _prompts(tok, seed: int) -> list[str]:
+    """32 prompts: half grounded in a given text (copying, extracting: drafts hit), half open chat."""
+    from pydoc_data.topics import topics
+
+    rng = random.Random(seed)
+    names = sorted(topics)
+    out = []
+    for i in range(16):
+        text = topics[rng.choice(names)][:rng.randint(200, 700)]
+        ask = rng.choice(["Repeat this text exactly:", "Quote the first sentences of this text:",
+                          "Copy the following, word for word:"])
+        out.append(tok.apply_chat_template([{"role": "user", "content": f"{ask}\n\n{text}"}]))
+    for q in ["What is a list?", "Tell me a story about a cat.", "Why is the sky blue?", "Name three fruits.",
+              "How do I sort a list in Python?", "Write a haiku about rain.", "What is 12 times 7?",
+              "Explain gravity simply.", "Give me a recipe for pancakes.", "What is a prime number?",
+              "Describe the sea.", "What is the capital of Italy?", "How do birds fly?", "What is a loop?",
+              "Say hello in French.", "What is an operating system?"]:
+        out.append(tok.apply_chat_template([{"role": "user", "content": q}]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(embedded_artifact):
+    """The same 32 greedy requests with speculation off and on, in engines small enough that prompts
+    are chunked, prefixes are shared and sequences are preempted (the prompts drawn with a fresh seed,
+    printed)."""
+    import os
+    import secrets
+
+    from infer.runtime import LLM, SamplingParams
+
+    fresh_seed = int(os.environ.get("INFER_TEST_SEED") or secrets.randbelow(2**31))
+    print(f"prompt seed {fresh_seed} (INFER_TEST_SEED={fresh_seed} reproduces it)")
+    results = {}
+    for spec in ("off", "ngram"):
+        llm = LLM(embedded_artifact, speculative=spec, num_speculative_tokens=4, max_num_seqs=4,
+                  max_num_batched_tokens=96, prefill_batch_tokens=64, kv_cache_memory=24 << 20)
+        prompts = _prompts(llm.tokenizer, fresh_seed)
+        rng = random.Random(fresh_seed)
+        params = [SamplingParams(max_tokens=rng.randint(24, 64), temperature=0,
+                                 stop=["\n\n\n"] if i % 5 == 0 else []) for i in range(len(prompts))]
+        # each prompt twice: the second copy finds the first's blocks in the prefix cache
+        outs = llm.generate(prompts + prompts[:8], params + params[:8])
+        results[spec] = (outs, dict(llm.engine.stats), llm.engine.scheduler.num_preemptions,
+                         llm.engine.block_manager.prefix_hits, llm)
+    return results
+
+
+def test_greedy_outputs_are_identical_with_speculation_on_and_off(runs):
+    off, _, _, _, _ = runs["off"]
+    on, stats, preemptions, hits, _ = runs["ngram"]
+    assert len(on) >= 32
+    different = [i for i, (a, b) in enumerate(zip(off, on)) if a.token_ids != b.token_ids]
+    assert not different, [(off[i].text, on[i].text) for i in different[:3]]
+    assert [a.finish_reason for a in off] == [b.finish_reason for b in on]
+    assert stats["spec_accepted"] > 0 and stats["spec_emitted"] > stats["spec_steps"]  # drafts paid off
+    assert preemptions > 0 and hits > 0  # the paths the test is meant to cover did happen
+    print(f"drafted {stats['spec_drafted']} accepted {stats['spec_accepted']} in {stats['spec_steps']} steps; "
+          f"{preemptions} preemptions, {hits} prefix-cache tokens")
+
+
+def test_the_prefix_cache_holds_only_verified_tokens(runs):
+    """Every cached block's tokens are the tokens of some finished sequence at that position."""
+    outs, _, _, _, llm = runs["ngram"]
+    bm = llm.engine.block_manager
+    bs = bm.block_size
+    blocks = set()
+    for o in outs:
+        ids = o.prompt_token_ids + o.token_ids
+        blocks |= {tuple(ids[i:i + bs]) for i in range(0, len(ids) - bs + 1, bs)}
+    cached = [bm.blocks[b].token_ids for b in bm.cached.values()]
+    assert cached and all(t in blocks for t in cached)
+
+
+def test_requests_that_sample_or_opt_out_do_not_draft(embedded_artifact):
+    from infer.runtime import LLM, SamplingParams
+
+    llm = LLM(embedded_artifact, speculative="ngram", kv_cache_memory=64 << 20)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Repeat: one two three one two three"}])
+    sampled = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.8, seed=7))[0]
+    opted_out = llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0, speculative=False))[0]
+    assert llm.engine.stats["spec_steps"] == 0
+    plain = LLM(embedded_artifact, kv_cache_memory=64 << 20)
+    assert plain.generate([prompt], SamplingParams(max_tokens=24, temperature=0.8, seed=7))[0].token_ids == \
+        sampled.token_ids
+    assert plain.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0].token_ids == opted_out.token_ids
