@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: infer-bench {serve,offline,single,tune,structured} [options]
+USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
             requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s;
@@ -14,6 +14,8 @@ USAGE = """usage: infer-bench {serve,offline,single,tune,structured} [options]
   tune      decode step time per batch bucket, the artifact's tuning.json against the defaults
   structured  tokens/s held to a JSON schema against the same prompts unconstrained, mask and compile
             times (no server)
+  speculative  batch-1 decode with n-gram speculation against without, on a grounded and a chat prompt
+            set (no server)
 
 infer-bench COMMAND --help shows the options of each."""
 
@@ -28,11 +30,13 @@ def main(argv=None) -> None:
         from .serve import main as serve_main
 
         sys.exit(serve_main(rest))
-    if command in ("offline", "single", "tune", "structured"):
+    if command in ("offline", "single", "tune", "structured", "speculative"):
         if command == "offline":
             from .throughput import main as bench_main
         elif command == "structured":
             from .structured import main as bench_main
+        elif command == "speculative":
+            from .speculative import main as bench_main
         elif command == "single":
             from .single import main as bench_main
         else:

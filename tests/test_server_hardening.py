@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from conftest import need
 from stream_helpers import sse_events
 from test_server import launch_server, wait_for, wait_ready
 
@@ -404,7 +405,7 @@ def test_schemathesis_fuzzing_finds_no_5xx(tiny, fresh_seed):
     """Schemathesis generates requests from /openapi.json, valid and invalid (for the request
     bodies): no answer is a 5xx, no stream carries a server error, and afterwards the server is
     healthy, answers as before, and holds no KV block. INFER_TEST_SEED replays the same cases."""
-    schemathesis = pytest.importorskip("schemathesis")
+    schemathesis = need("schemathesis")
     import requests
     from hypothesis import HealthCheck, Phase, given, seed, settings
 

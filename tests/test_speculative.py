@@ -65,7 +65,7 @@ def runs(embedded_artifact):
                   max_num_batched_tokens=96, prefill_batch_tokens=64, kv_cache_memory=24 << 20)
         prompts = _prompts(llm.tokenizer, fresh_seed)
         rng = random.Random(fresh_seed)
-        params = [SamplingParams(max_tokens=rng.randint(24, 64), temperature=0,
+        params = [SamplingParams(max_tokens=rng.randint(16, 40), temperature=0,
                                  stop=["\n\n\n"] if i % 5 == 0 else []) for i in range(len(prompts))]
         # each prompt twice: the second copy finds the first's blocks in the prefix cache
         outs = llm.generate(prompts + prompts[:8], params + params[:8])

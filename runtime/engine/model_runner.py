@@ -140,10 +140,14 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if n == 1 and start > 0:
-                decode_rows.append(row)
-                decode_tables.append(table[:-(-end // bs)])
-                decode_lens.append(end)
+            if start > 0 and (n == 1 or (n == 1 + len(seq.spec.draft) and end == len(seq))):
+                # a decode, or a decode and its draft: each row a decode over the context up to its own
+                # position (the draft's K/V are stored before any row attends), so a draft is verified by
+                # the same kernels and the one-call step that decode steps run
+                for j in range(n):
+                    decode_rows.append(row + j)
+                    decode_tables.append(table[:-(-(start + j + 1) // bs)])
+                    decode_lens.append(start + j + 1)
             else:
                 chunks.append((row, n, end))
                 chunk_tables.append(table[:-(-end // bs)])
