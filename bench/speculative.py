@@ -28,7 +28,7 @@ def load_set(name: str) -> list[list[dict]]:
 
 
 def main(argv=None) -> None:
-    from infer.bench.throughput import host_info
+    from infer.bench.throughput import host_info, save_json
     from infer.runtime import LLM, SamplingParams
 
     p = argparse.ArgumentParser(prog="infer-bench speculative", description=__doc__.splitlines()[0])
@@ -75,15 +75,12 @@ def main(argv=None) -> None:
             "acceptance_length": round(s["spec_emitted"] / s["spec_steps"], 2) if s["spec_steps"] else None,
             "accepted_share": round(s["spec_accepted"] / s["spec_drafted"], 3) if s["spec_drafted"] else None,
             "identical_outputs": sum(a == b for a, b in zip(texts["off"], texts["ngram"])), **s}
-    print(f"host: {report['host'].get('cpu')} ({report['host'].get('cpu_class')}); kernels: {report['kernels']}")
     print(f"{'set':>9} {'off tok/s':>10} {'ngram tok/s':>12} {'speed-up':>9} {'accept len':>11} {'accepted':>9} "
           f"{'identical':>10}")
     for name, r in report["sets"].items():
         print(f"{name:>9} {r['tokens_per_s_off']:>10} {r['tokens_per_s_ngram']:>12} {r['speedup']:>9} "
               f"{r['acceptance_length']!s:>11} {r['accepted_share']!s:>9} {r['identical_outputs']:>5}/{r['prompts']}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
+    save_json(report, Path(args.json))
 
 
 if __name__ == "__main__":

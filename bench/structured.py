@@ -11,7 +11,6 @@ per step with and without masks, and a first-seen schema's compile time. JSON go
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -47,7 +46,7 @@ def run_batch(llm, prompts: list[str], params) -> tuple[float, int, list]:
 
 
 def main(argv=None) -> None:
-    from infer.bench.throughput import host_info
+    from infer.bench.throughput import host_info, save_json
     from infer.runtime import LLM
     from infer.runtime.engine.sampling_params import SamplingParams
     from infer.runtime.engine.structured import StructuredOutput
@@ -112,7 +111,6 @@ def main(argv=None) -> None:
               "compile_first_schema_with_tokenizer_s": round(first_with_tokenizer, 3),
               "compile_first_seen_schema_s_median": round(statistics.median(compile_s), 4),
               "compile_cached_schema_s": round(cached_s, 6), "batches": results}
-    print(f"host: {report['host'].get('cpu')} ({report['host'].get('cpu_class')}); kernels: {report['kernels']}")
     print(f"compile: first schema {first_with_tokenizer:.2f} s (tokenizer info included), first-seen schema "
           f"{statistics.median(compile_s) * 1e3:.1f} ms median, cached {cached_s * 1e6:.0f} us")
     print(f"{'batch':>5} {'free tok/s':>11} {'json tok/s':>11} {'ratio':>6} {'fill p50 ms':>12} {'fill p99 ms':>12} "
@@ -121,9 +119,7 @@ def main(argv=None) -> None:
         print(f"{batch:>5} {r['tokens_per_s_unconstrained']:>11} {r['tokens_per_s_json_schema']:>11} {r['ratio']:>6} "
               f"{r['mask_fill_ms_p50']:>12} {r['mask_fill_ms_p99']:>12} "
               f"{r['sample_ms_p50_unconstrained']:>9}/{r['sample_ms_p50_json_schema']}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.json}")
+    save_json(report, Path(args.json))
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ only ever hashes verified tokens.
 The rule (``eligible``, ``SpecState``): a sequence drafts when it decodes greedily without
 penalties, grammar, logprobs or a per-request opt-out; when the step has at most ``max_batch``
 running sequences (past that, verifying costs more than a draft saves); and while its acceptance
-holds up: after ``probe_tokens`` drafted tokens with fewer than ``min_acceptance`` of them accepted
-it stops drafting for good. Sampled requests (temperature > 0) do not draft yet.
+holds up: from ``probe_tokens`` drafted tokens on, with fewer than ``min_acceptance`` of them
+accepted it stops drafting for good. Sampled requests (temperature > 0) do not draft yet.
 """
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     max_batch: int = 4  # no drafting in a step with more running sequences than this
-    probe_tokens: int = 16  # drafted tokens before a sequence's acceptance is judged
-    min_acceptance: float = 0.3
+    probe_tokens: int = 12  # drafted tokens before a sequence's acceptance is judged
+    # break-even: a step verifying k drafts costs about 1 + c*k decode steps and emits 1 + accepted
+    # tokens, so drafting pays while the accepted share exceeds c; c measured 0.4 on an AVX2 host
+    # (docs/benchmarks/2026-12-03-epyc-zen3-avx2.md), so 0.5 keeps a margin
+    min_acceptance: float = 0.5
 
     def __post_init__(self):
         if self.method not in METHODS:
