@@ -25,10 +25,6 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # sequence.py holds a SpecState
-    from .sequence import Sequence
 
 METHODS = ("off", "ngram")
 
@@ -87,7 +83,8 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
     return []
 
 
-def eligible(seq: "Sequence") -> bool:
+def eligible(seq) -> bool:
+    """Whether a sequence (engine/sequence.py, which holds a SpecState: so not imported here) may draft."""
     p = seq.params
     return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
             and seq.constraint is None and p.logprobs is None and p.prompt_logprobs is None
@@ -98,7 +95,7 @@ class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
-    def draft(self, seq: "Sequence", room: int) -> list[int]:
+    def draft(self, seq, room: int) -> list[int]:
         """Appends a draft of at most ``room`` tokens to a decoding sequence; returns it."""
         c, state = self.config, seq.spec
         if state.off or room < 1:
