@@ -91,12 +91,12 @@ def main(argv=None) -> None:
         fills, sample_ms = [], {"free": [], "json": []}
         for _ in range(args.rounds):
             for name, params in (("free", free), ("json", held)):
-                engine.mask_filler.times.fill.clear()
+                engine.mask_filler.fill_seconds.clear()
                 seconds, tokens, steps = run_batch(llm, prompts, params)
                 rows[name].append(tokens / seconds)
                 sample_ms[name] += [s.sample_ms for s in steps if s.decode_rows]
                 if name == "json":
-                    fills += engine.mask_filler.times.fill
+                    fills += engine.mask_filler.fill_seconds
                     assert tokens == batch * args.max_tokens, "a constrained request ended early: lengthen the schema"
         free_tps, json_tps = statistics.median(rows["free"]), statistics.median(rows["json"])
         results[batch] = {

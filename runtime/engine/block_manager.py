@@ -183,26 +183,26 @@ class BlockManager:
         They hold no verified token, so they were never hashed."""
         keep = -(-len(seq) // self.block_size)
         for block_id in seq.block_table[keep:]:
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+            self._release(block_id)
+        del seq.block_table[keep:]
+
+    def _release(self, block_id: int) -> None:
+        """Drops one reference; a block nobody holds goes to the free list: at the back (evicted last)
+        when its contents are in the prefix cache, at the front (used first) when they are not."""
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is None or self.cached.get(block.hash) != block_id:
                 block.hash, block.token_ids = None, ()
                 self.free[block_id] = None
-                self.free.move_to_end(block_id, last=False)
-        del seq.block_table[keep:]
+                self.free.move_to_end(block_id, last=False)  # no reusable content: use first
+            else:
+                self.free[block_id] = None
 
     def free_sequence(self, seq: Sequence) -> None:
         """Returns a sequence's blocks; the newest go to the back of the free list, last to be evicted."""
         for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is None or self.cached.get(block.hash) != block_id:
-                    block.hash, block.token_ids = None, ()
-                    self.free[block_id] = None
-                    self.free.move_to_end(block_id, last=False)  # no reusable content: use first
-                else:
-                    self.free[block_id] = None
+            self._release(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0

@@ -56,7 +56,7 @@ def apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
             seqs[i].constraint.fill(len(seqs[i]))
         # a greedy row (no penalties to move its argmax) whose best token the grammar allows needs no mask:
         # it picks that token either way, and a mask over the whole vocabulary costs more than the check
-        plain = [i for i in constrained if _argmax_decides(seqs[i])]
+        plain = [i for i in constrained if seqs[i].params.argmax_decides]
         if plain:
             best = logits[plain].argmax(-1).tolist()
             allowed = {i for i, t in zip(plain, best) if seqs[i].constraint.allows(t)}
@@ -64,11 +64,6 @@ def apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tenso
         if constrained:
             apply_masks(logits, constrained, [seqs[i].constraint for i in constrained])
     return logits
-
-
-def _argmax_decides(seq: Sequence) -> bool:
-    p = seq.params
-    return p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

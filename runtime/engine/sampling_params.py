@@ -111,6 +111,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def argmax_decides(self) -> bool:
+        """Greedy with no penalty to move the argmax: the raw (biased, masked) logits' argmax is the token."""
+        return self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty \
+            and not self.frequency_penalty
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first field out of its range. With ``vocab_size`` (the engine
         passes it when a request is added) token ids and top_k are held below it too."""

@@ -86,8 +86,7 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
 def eligible(seq) -> bool:
     """Whether a sequence (engine/sequence.py, which holds a SpecState: so not imported here) may draft."""
     p = seq.params
-    return (p.greedy and p.repetition_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
-            and seq.constraint is None and p.logprobs is None and p.prompt_logprobs is None
+    return (p.argmax_decides and seq.constraint is None and p.logprobs is None and p.prompt_logprobs is None
             and not p.logit_bias and p.allowed_token_ids is None and p.speculative)
 
 

@@ -729,8 +729,7 @@ def parse_chat(body: dict, info: ModelInfo) -> GenRequest:
         raise bad("messages", "is required")
     _unsupported(body, "modalities", lambda v: v == ["text"], "only [\"text\"]")
     for name, kind, what in (("user", str, "a string"), ("service_tier", str, "a string"),
-                             ("metadata", dict, "an object"), ("store", bool, "true or false"),
-                             ("parallel_tool_calls", bool, "true or false")):
+                             ("metadata", dict, "an object"), ("store", bool, "true or false")):
         _typed(body, name, kind, what)
     stream = bool(_bool(body, "stream"))
     include_usage = _stream_opts(body, stream)
