@@ -3,6 +3,10 @@
 torch's CPU SDPA is slow for decode (a handful of queries against hundreds of keys) and needs
 the context gathered out of the block pool first; this kernel reads K/V in place. Where it
 cannot be built the engine falls back to gather + SDPA.
+
+Both calls also take an int8 cache (the quantized KV cache): [blocks, block_size, kv_heads, head_dim + 2],
+each row head_dim values then its bfloat16 scale's two bytes; ``store_kv_`` quantizes as it stores and
+the decode kernel dequantizes in registers. ``dequantize`` is the reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ def load() -> object | None:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [seqs, heads, d]; caches [blocks, block_size, kv_heads, d]; returns [seqs, heads, d].
+    """q [seqs, heads, d]; caches [blocks, block_size, kv_heads, d] (or int8, d + 2); returns [seqs, heads, d].
 
     The kernel checks every index before reading through it (each context length in 1 .. table
     width x block size, each block id it reaches inside the cache) and raises RuntimeError naming
@@ -35,6 +39,12 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     """Writes k, v [T, kv_heads, d] into the caches' rows ``slots`` (block * block_size + offset);
     every slot is checked against the cache's size before anything is written (RuntimeError)."""
     _module().store_kv_(k_cache, v_cache, slots, k, v)
+
+
+def dequantize(cache: torch.Tensor) -> torch.Tensor:
+    """An int8 cache [..., head_dim + 2] as float32 [..., head_dim]: values times their row's bfloat16 scale."""
+    scale = cache[..., -2:].contiguous().view(torch.bfloat16).float()
+    return cache[..., :-2].float() * scale
 
 
 def _module():

@@ -14,6 +14,13 @@
 // Other caches, and CPUs without AVX-512 BF16, take fixed_task for the common shapes: queries and
 // accumulators in registers, the cache widened to float32 as it is read, on 16-lane AVX-512F or 8-lane
 // AVX2 vectors (the build's target decides, kernels/isa.py); other shapes take the general loops.
+//
+// An int8 cache (the quantized KV cache, runtime/engine/attention.py) is [blocks, block_size, kv_heads,
+// head_dim + 2]: each (token, KV head) row is head_dim int8 values then the 2 bytes of its bfloat16 scale
+// (symmetric: absmax / 127, rounded to bfloat16 first and the values quantized against the rounded
+// scale, so value x scale is the dequantized value exactly). store_kv_ quantizes as it stores; q8_task
+// reads the int8 values widened to float32 in registers and applies a key's scale to its score and a
+// value's scale to its probability: one multiply a token, never a dequantized copy of the cache.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -42,6 +49,28 @@ using infer::exp16;
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// The scale of an int8 cache row: the bfloat16 in the 2 bytes after its head_dim values.
+inline float q8_scale(const int8_t* row, int64_t head_dim) {
+  at::BFloat16 s;
+  std::memcpy(&s.x, row + head_dim, sizeof(s.x));
+  return to_float(s);
+}
+
+// Quantizes n floats into an int8 cache row (n values, then the bfloat16 scale): the scale is absmax /
+// 127 rounded to bfloat16, the values round(x / scale) clamped to +-127, so |x - value * scale| <= scale / 2.
+template <typename T>
+inline void q8_store_row(const T* src, int8_t* dst, int64_t n) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(to_float(src[i])));
+  const at::BFloat16 scale = infer::from_float<at::BFloat16>(absmax / 127.f);
+  const float s = to_float(scale), inv = s > 0.f ? 1.f / s : 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(to_float(src[i]) * inv);
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  std::memcpy(dst + n, &scale.x, sizeof(scale.x));
 }
 
 
@@ -114,6 +143,9 @@ constexpr int kVec = 16;
 inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
 template <typename T>
 inline vecf vload_row(const T* p) { return load16(p); }
+inline vecf vload_row(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline vecf vzero() { return _mm512_setzero_ps(); }
 inline vecf vset1(float x) { return _mm512_set1_ps(x); }
 inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
@@ -130,6 +162,9 @@ inline vecf vload_row(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline vecf vload_row(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline vecf vload_row(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline vecf vzero() { return _mm256_setzero_ps(); }
 inline vecf vset1(float x) { return _mm256_set1_ps(x); }
 inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
@@ -197,6 +232,45 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) vr[d] = vload_row(v + d * kVec);
     for (int g = 0; g < G; ++g) {
       const vecf p = vset1(scores[g * len + t]);
+      for (int d = 0; d < D; ++d) acc[g][d] = vfma(p, vr[d], acc[g][d]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) vstore(acc_out + g * D * kVec + d * kVec, acc[g][d]);
+}
+
+// fixed_task on an int8 cache (rows of D * kVec values and a scale): the values widened in registers, a
+// key's scale applied to its G scores, a value's scale to its G probabilities.
+template <int G, int D>
+void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table, int64_t len,
+             int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
+             float* acc_out) {
+  constexpr int64_t head_dim = D * kVec;
+  vecf q[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) q[g][d] = vload(qf + g * D * kVec + d * kVec);
+  for (int64_t t = 0; t < len; ++t) {
+    const int8_t* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    const float ks = q8_scale(k, head_dim);
+    vecf kr[D];
+    for (int d = 0; d < D; ++d) kr[d] = vload_row(k + d * kVec);
+    for (int g = 0; g < G; ++g) {
+      vecf a = vmul(q[g][0], kr[0]);
+      for (int d = 1; d < D; ++d) a = vfma(q[g][d], kr[d], a);
+      scores[g * len + t] = vsum(a) * ks;
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  vecf acc[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) acc[g][d] = vzero();
+  for (int64_t t = 0; t < len; ++t) {
+    const int8_t* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    const float vs = q8_scale(v, head_dim);
+    vecf vr[D];
+    for (int d = 0; d < D; ++d) vr[d] = vload_row(v + d * kVec);
+    for (int g = 0; g < G; ++g) {
+      const vecf p = vset1(scores[g * len + t] * vs);
       for (int d = 0; d < D; ++d) acc[g][d] = vfma(p, vr[d], acc[g][d]);
     }
   }
@@ -344,6 +418,98 @@ FixedTask pick_fixed_task(int64_t group, int64_t head_dim) {
 }
 #endif
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+using Q8Task = void (*)(const float*, const int8_t*, const int8_t*, const int64_t*, int64_t, int64_t, int64_t,
+                        int64_t, int64_t, float*, float*);
+
+// The int8 task for this shape, or nullptr for the general loops.
+inline Q8Task pick_q8_task(int64_t group, int64_t head_dim) {
+#define INFER_CASE(G, HD) if (group == G && head_dim == HD) return &q8_task<G, HD / kVec>;
+  INFER_CASE(1, 64) INFER_CASE(2, 64) INFER_CASE(3, 64) INFER_CASE(4, 64) INFER_CASE(5, 64) INFER_CASE(6, 64)
+  INFER_CASE(7, 64) INFER_CASE(8, 64) INFER_CASE(1, 128) INFER_CASE(2, 128) INFER_CASE(4, 128) INFER_CASE(7, 128)
+  INFER_CASE(8, 128)
+#undef INFER_CASE
+  return nullptr;
+}
+#endif
+
+// Whether the int8 cache takes q8_task (tests turn it off to check the general loops on this host).
+inline std::atomic<bool>& q8_fixed_on() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
+// decode_kernel on an int8 cache (rows of head_dim values and a bfloat16 scale); q and out are T.
+template <typename T>
+void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* block_tables,
+                      const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t group = num_heads / num_kv_heads, row_bytes = head_dim + 2;
+  const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const Q8Task fixed = q8_fixed_on() ? pick_q8_task(group, head_dim) : nullptr;
+#endif
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;
+      const int64_t len = context_lens[s];
+      const int64_t* table = block_tables + s * max_blocks;
+      for (int64_t g = 0; g < group; ++g)
+        load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
+      for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
+      scores.assign(group * len, 0.f);
+#if defined(__AVX512F__) || defined(__AVX2__)
+      if (fixed != nullptr) {
+        fixed(qf.data(), k_cache, v_cache, table, len, block_size, block_stride, token_stride, kvh * row_bytes,
+              scores.data(), acc.data());
+      } else
+#endif
+      {
+        const auto token_row = [&](const int8_t* cache, int64_t t) {
+          return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * row_bytes;
+        };
+        for (int64_t t = 0; t < len; ++t) {
+          const int8_t* k = token_row(k_cache, t);
+          const float ks = q8_scale(k, head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qf.data() + g * head_dim;
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+            scores[g * len + t] = dot * ks;
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          float* sg = scores.data() + g * len;
+          float mx = sg[0];
+          for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sg[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < len; ++t) {
+            sg[t] = std::exp(sg[t] - mx);
+            sum += sg[t];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < len; ++t) {
+          const int8_t* v = token_row(v_cache, t);
+          const float vs = q8_scale(v, head_dim);
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * len + t] * vs;
+            float* ag = acc.data() + g * head_dim;
+            for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * static_cast<float>(v[d]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* o = out + (s * num_heads + kvh * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
@@ -457,7 +623,8 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 }  // namespace
 
-// q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim];
+// q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] of q's dtype, or
+// int8 [blocks, block_size, kv_heads, head_dim + 2] (values and a bfloat16 scale a row);
 // block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64. Returns [seqs, heads, head_dim].
 // Every index is checked before any is used (the kernel reads the cache through them): a context
 // length in 1 .. max_blocks * block_size, and each block id it reaches in 0 .. blocks - 1. Entries of
@@ -470,8 +637,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
               "paged_decode_attention: q must be [seqs, heads, d] and the caches [blocks, block_size, kv_heads, d] "
               "of one shape; got q ", q.sizes(), ", k_cache ", k_cache.sizes(), ", v_cache ", v_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK((q8 || q.scalar_type() == k_cache.scalar_type()) && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: the caches must share a dtype, q's or int8 (a quantized cache); got q ",
+              q.scalar_type(), ", k_cache ", k_cache.scalar_type(), ", v_cache ", v_cache.scalar_type());
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong, "int64 tables");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
@@ -479,7 +648,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   TORCH_CHECK(num_kv_heads > 0 && block_size > 0 && head_dim > 0 && num_heads % num_kv_heads == 0 &&
-                  k_cache.size(3) == head_dim, "head layout mismatch");
+                  k_cache.size(3) == head_dim + (q8 ? 2 : 0),
+              "paged_decode_attention: head layout mismatch (an int8 cache's rows are head_dim + 2 bytes: values, "
+              "then a bfloat16 scale); got q ", q.sizes(), " and caches ", k_cache.sizes());
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && context_lens.dim() == 1 &&
                   context_lens.size(0) == num_seqs,
               "paged_decode_attention: block_tables must be [seqs, max_blocks] and context_lens [seqs] for ",
@@ -499,6 +670,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
+    if (q8) {
+      decode_kernel_q8<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                 block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                                 out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                 max_blocks, static_cast<float>(scale));
+      return;
+    }
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
                             out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
@@ -516,28 +694,55 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // Writes a step's new keys and values into their cache slots, both in one call: k, v [T, kv_heads,
 // head_dim] with rows that may be strided (slices of the fused qkv projection are); slots [T] int64,
 // each block * block_size + offset. Two index_copy_ calls otherwise, twice the dispatch per layer.
+// An int8 cache ([.., kv_heads, head_dim + 2]) gets each (token, KV head) row quantized as it is written.
 void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
   for (const auto& t : {k_cache, v_cache, slots, k, v}) TORCH_CHECK(t.device().is_cpu(), "store_kv_: CPU tensors only");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
               "store_kv_: caches must be contiguous [blocks, block_size, kv_heads, d] of one shape and dtype");
-  const int64_t row = k_cache.size(2) * k_cache.size(3), capacity = k_cache.size(0) * k_cache.size(1);
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3) - (q8 ? 2 : 0);
+  const int64_t row = kv_heads * k_cache.size(3), capacity = k_cache.size(0) * k_cache.size(1);
   for (const auto& t : {k, v}) {
-    TORCH_CHECK(t.dim() == 3 && t.size(1) * t.size(2) == row && t.stride(2) == 1 && t.stride(1) == t.size(2) &&
-                    t.scalar_type() == k_cache.scalar_type() && t.size(0) == slots.numel(),
-                "store_kv_: k and v must be [T, kv_heads, head_dim] of the cache's dtype, one row per slot");
+    TORCH_CHECK(t.dim() == 3 && t.size(1) == kv_heads && t.size(2) == head_dim && t.stride(2) == 1 &&
+                    t.stride(1) == t.size(2) && (q8 || t.scalar_type() == k_cache.scalar_type()) &&
+                    t.scalar_type() == k.scalar_type() && t.size(0) == slots.numel(),
+                "store_kv_: k and v must be [T, kv_heads, head_dim] of the cache's dtype (a float dtype for an int8 "
+                "cache, whose rows are head_dim + 2), one row per slot; got k ", k.sizes(), " ", k.scalar_type(),
+                ", cache ", k_cache.sizes(), " ", k_cache.scalar_type());
   }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
               "store_kv_: slots must be a contiguous [T] int64 tensor");
   const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < slots.numel(); ++t)  // all checked before anything is written
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "store_kv_: slot ", slot[t], " outside the cache of ", capacity);
+  if (q8) {
+    const auto run = [&](auto tag) {
+      using scalar_t = decltype(tag);
+      int8_t* kc = k_cache.data_ptr<int8_t>();
+      int8_t* vc = v_cache.data_ptr<int8_t>();
+      const scalar_t* ks = k.data_ptr<scalar_t>();
+      const scalar_t* vs = v.data_ptr<scalar_t>();
+      for (int64_t t = 0; t < slots.numel(); ++t)
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          q8_store_row(ks + t * k.stride(0) + h * head_dim, kc + slot[t] * row + h * (head_dim + 2), head_dim);
+          q8_store_row(vs + t * v.stride(0) + h * head_dim, vc + slot[t] * row + h * (head_dim + 2), head_dim);
+        }
+    };
+    switch (k.scalar_type()) {
+      case at::kFloat: run(float{}); break;
+      case at::kBFloat16: run(at::BFloat16{}); break;
+      case at::kHalf: run(at::Half{}); break;
+      default: TORCH_CHECK(false, "store_kv_: k and v float32, bfloat16 or float16 for an int8 cache");
+    }
+    return;
+  }
   const int64_t bytes = row * k_cache.element_size();
   char* kc = static_cast<char*>(k_cache.data_ptr());
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
   const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  for (int64_t t = 0; t < slots.numel(); ++t)  // all checked before anything is written
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "store_kv_: slot ", slot[t], " outside the cache of ", capacity);
   for (int64_t t = 0; t < slots.numel(); ++t) {
     std::memcpy(kc + slot[t] * bytes, ks + t * k_stride, bytes);
     std::memcpy(vc + slot[t] * bytes, vs + t * v_stride, bytes);
@@ -560,5 +765,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return false;  // built without AVX-512 BF16: the float path is the only one
 #endif
   }, "whether a bfloat16 cache takes the AVX-512 BF16 path (tests: false checks the float path); returns whether it exists");
+  m.def("use_q8_fixed_path", [](bool on) { q8_fixed_on() = on; },
+        "whether an int8 cache takes the register-resident task for its shape (tests: false checks the general loops)");
 }
 #endif
