@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--step-trace", metavar="FILE", default=None,
                    help="write one JSON line per engine step (phase times, batch shape, queues), with event-loop "
                         "lag and stream delays, to FILE; summarise with python -m infer.bench.timeline FILE")
+    s.add_argument("--tenants", metavar="FILE", default=None,
+                   help="tenants.yaml: API keys, their fair-share weights, rate limits (429 with Retry-After) and "
+                        "the per-step prompt budget (docs/replicas.md)")
     args = p.parse_args(argv)
     if args.api_key is None:
         import os
@@ -133,7 +136,14 @@ def server_config(args: argparse.Namespace):
 
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                         log_requests=args.log_requests, grace_period=args.grace_period, max_body=args.max_body,
-                        access_log=args.access_log, step_trace=args.step_trace, engine=engine_config(args))
+                        access_log=args.access_log, step_trace=args.step_trace, engine=engine_config(args),
+                        tenants=_tenants(args.tenants))
+
+
+def _tenants(path: str | None):
+    from .serving.tenants import Tenants
+
+    return Tenants.load(path) if path else None
 
 
 def answer(args: argparse.Namespace, artifact) -> int:

@@ -30,7 +30,7 @@ from ..parallel import tensor_parallel_size
 from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block
 from .sampler import sample, token_logprobs
 from .sampling_params import SamplingParams
-from .scheduler import ScheduledBatch, Scheduler
+from .scheduler import Fairness, ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
 from .speculative import NgramProposer, SpeculativeConfig, accepted_prefix, eligible
 from .structured import Constraint, Grammars, MaskFiller
@@ -67,6 +67,8 @@ class EngineConfig:
     # speculative decoding: off | ngram (prompt lookup; runtime/engine/speculative.py), k tokens a step
     speculative: str = "off"
     num_speculative_tokens: int = 4
+    # tenancy: tenants' weights and running caps, the per-step prompt budget (infer-run --tenants; None: one tenant)
+    fairness: Fairness | None = None
 
 
 @dataclass
@@ -218,7 +220,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.enable_chunked_prefill, cfg.prefill_batch_tokens)
+                                   cfg.enable_chunked_prefill, cfg.prefill_batch_tokens, cfg.fairness)
         if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
             on["graph_buckets"] = graph_buckets_for(self.device, self.kernels.backend, cfg.cuda_graphs, cfg.max_num_seqs)
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
@@ -251,9 +253,11 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return list(prompt)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> Sequence:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    priority: int = 0, tenant: str = "") -> Sequence:
         """Queues a request; ValueError naming the problem when its prompt or parameters are out of
-        bounds (checked again here, against this model's vocabulary, since params are mutable)."""
+        bounds (checked again here, against this model's vocabulary, since params are mutable).
+        ``priority``: lower runs first; ``tenant``: whose fair share it draws on (scheduler.py)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, not {type(params).__name__}")
@@ -268,7 +272,9 @@ class LLMEngine:
         if len(ids) >= self.max_request_tokens:
             raise ValueError(f"prompt is {len(ids)} tokens, over this engine's context limit of "
                              f"{self.max_request_tokens} (prompt and output together); shorten the prompt")
-        seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, not {type(priority).__name__}")
+        seq = Sequence(request_id, ids, params, prompt if isinstance(prompt, str) else None, priority, str(tenant))
         if params.structured is not None:  # the server compiled it already, off this thread
             seq.constraint = Constraint(self.grammars.compile(params.structured).compiled, self.model.config.vocab_size)
         self.requests[request_id] = _Request(seq, self.tokenizer)

@@ -12,12 +12,23 @@ compute them twice (a burst of requests sharing a system prompt prefills it once
 is cut into chunks that
 share steps with running decodes instead of stalling them. When blocks run out, the newest
 running sequence is preempted: its blocks are freed and it is recomputed later, losing nothing.
+
+Tenancy (``Fairness``, from ``infer-run --tenants``): a request's ``priority`` (lower first, as vLLM
+takes it) orders the waiting line before anything else, then fair share between tenants: each
+tenant's served tokens (prompt and output, divided by its weight) are counted, and the waiting
+request of the tenant served least joins first (the virtual token counter of Sheng et al., "Fairness
+in Serving Large Language Models", OSDI 2024); a tenant arriving after idling starts level with the
+least-served active one, so idle time banks no credit. A tenant's ``max_running`` caps its running
+sequences. The preemption victim is the worst priority, newest first. Fair share only works when a
+step cannot be filled by one tenant's long prompt: ``prompt_tokens_per_step`` caps the prompt
+tokens a step computes (running chunks included), so one tenant's 1,024-token prompts are cut into
+chunks and another's decodes and short prompts run beside them every step.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
@@ -34,11 +45,30 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
 
+@dataclass
+class Fairness:
+    """Tenancy inside the scheduler: tenants' weights and running caps, and the per-step prompt budget."""
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight (absent: 1)
+    max_running: dict[str, int] = field(default_factory=dict)  # tenant -> most running sequences (absent: no cap)
+    prompt_tokens_per_step: int = 256  # 0: no cap beyond the token budget
+
+    def __post_init__(self):
+        for name, w in self.weights.items():
+            if not w > 0:
+                raise ValueError(f"tenant {name!r}: weight must be > 0, got {w}")
+        for name, m in self.max_running.items():
+            if not (isinstance(m, int) and m >= 1):
+                raise ValueError(f"tenant {name!r}: max_running must be an integer >= 1, got {m!r}")
+        if self.prompt_tokens_per_step < 0:
+            raise ValueError("prompt_tokens_per_step must be >= 0 (0: no cap)")
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool = True, prefill_batch_tokens: int = 0):
+                 enable_chunked_prefill: bool = True, prefill_batch_tokens: int = 0, fairness: Fairness | None = None):
         """``prefill_batch_tokens``: waiting prompts stop joining a step once its prompt tokens reach
-        this many (the first always joins); 0: only the token budget limits them."""
+        this many (the first always joins); 0: only the token budget limits them. ``fairness``: tenants'
+        weights and caps (None: priority still orders the line; one tenant, no prompt cap)."""
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if prefill_batch_tokens < 0:
@@ -51,9 +81,32 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.fairness = fairness or Fairness(prompt_tokens_per_step=0)
+        self.served: dict[str, float] = {}  # tenant -> tokens computed for it / its weight
 
     def add(self, seq: Sequence) -> None:
+        t = seq.tenant
+        active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
+        if t not in active:  # back from idle: level with the least-served active tenant, no banked credit
+            floor = min((self.served.get(a, 0.0) for a in active), default=0.0)
+            self.served[t] = max(self.served.get(t, 0.0), floor)
         self.waiting.append(seq)
+
+    def _charge(self, seq: Sequence, n: int) -> None:
+        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n / self.fairness.weights.get(seq.tenant, 1.0)
+
+    def _next_waiting(self, running_by_tenant: dict[str, int]) -> int | None:
+        """Index in ``waiting`` of the one to join next: lowest priority value, then least-served tenant,
+        then its place in line; tenants at their ``max_running`` are passed over."""
+        cap = self.fairness.max_running
+        best, key = None, None
+        for i, seq in enumerate(self.waiting):
+            if seq.tenant in cap and running_by_tenant.get(seq.tenant, 0) >= cap[seq.tenant]:
+                continue
+            k = (seq.priority, self.served.get(seq.tenant, 0.0), i)
+            if key is None or k < key:
+                best, key = i, k
+        return best
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -87,17 +140,24 @@ class Scheduler:
         counts: list[int] = []
         preempted: list[Sequence] = []
         prompt_tokens = 0  # tokens of the step that are not one decode each
+        cap = self.fairness.prompt_tokens_per_step
 
-        # running sequences first, oldest first
+        # running sequences first: by priority, then oldest first
+        self.running.sort(key=lambda s: s.priority)
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
+            if cap and n > 1 and not seq.spec.draft and seq.num_computed_tokens < seq.num_prompt_tokens:
+                n = min(n, cap - prompt_tokens)  # a prompt chunk within the step's prompt budget
+                if n <= 0:
+                    i += 1  # its next chunk waits a step; decodes behind it still run
+                    continue
             if n < seq.num_uncomputed_tokens and seq.spec.draft:  # a draft that does not fit is dropped
                 seq.drop_draft(max(0, n - 1))
                 n = seq.num_uncomputed_tokens
             while not self.bm.can_allocate(seq, n):
-                victim = self.running[-1]
+                victim = max(reversed(self.running[i:]), key=lambda s: s.priority)  # worst priority, newest
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
@@ -109,22 +169,35 @@ class Scheduler:
             counts.append(n)
             budget -= n
             prompt_tokens += n if n > 1 else 0
+            self._charge(seq, n)
             i += 1
 
-        # then waiting sequences, in arrival order (preempted ones were put back at the front)
+        # then waiting sequences: by priority, then fair share, then arrival (preempted ones were put back
+        # at the front)
         deferred: list[Sequence] = []
+        running_by_tenant: dict[str, int] = {}
+        for s in self.running:
+            running_by_tenant[s.tenant] = running_by_tenant.get(s.tenant, 0) + 1
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             if self.prefill_batch_tokens and prompt_tokens >= self.prefill_batch_tokens:
                 break
-            seq = self.waiting[0]
+            if cap and prompt_tokens >= cap:
+                break
+            at = self._next_waiting(running_by_tenant)
+            if at is None:
+                break  # every waiting tenant is at its running cap
+            seq = self.waiting[at]
             if not seq.block_table and self.bm.match_prefix(seq) is None:
-                deferred.append(self.waiting.popleft())  # its prefix lands in the cache within steps
+                del self.waiting[at]
+                deferred.append(seq)  # its prefix lands in the cache within steps
                 continue
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill and seqs:
                     break  # without chunking a prompt waits for a step with room for all of it
                 n = budget if self.enable_chunked_prefill else n
+            if cap and self.enable_chunked_prefill and n > cap - prompt_tokens:
+                n = cap - prompt_tokens
             if not self.bm.can_allocate(seq, n):
                 if not self.running and not seqs:
                     # nothing will ever free blocks for it: fail loudly rather than hang
@@ -134,14 +207,16 @@ class Scheduler:
                 self.bm.free_sequence(seq)  # give back prefix blocks; it is matched again next step
                 seq.num_cached_tokens = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             self.bm.allocate(seq, n)
             self.bm.mark_in_flight(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
+            running_by_tenant[seq.tenant] = running_by_tenant.get(seq.tenant, 0) + 1
             seqs.append(seq)
             counts.append(n)
             budget -= n
             prompt_tokens += n
+            self._charge(seq, n)
         self.waiting.extendleft(reversed(deferred))  # keep their place in line
         return ScheduledBatch(seqs, counts, preempted)

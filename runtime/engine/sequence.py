@@ -21,8 +21,11 @@ class Status(Enum):
 
 
 class Sequence:
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+                 priority: int = 0, tenant: str = ""):
         self.seq_id = next(_ids)
+        self.priority = priority  # lower runs first (as vLLM's priority scheduling)
+        self.tenant = tenant  # whose share of the engine it draws on (the API key's tenant; "" when none)
         self.request_id = request_id
         self.prompt = prompt
         self.token_ids: list[int] = list(prompt_token_ids)

@@ -165,7 +165,8 @@ async def generate(request: Request, req: GenRequest):
     queue: asyncio.Queue = asyncio.Queue()
     sub_ids = [f"{rid}-{i}" for i in range(req.num_choices)]
     for i, sub in enumerate(sub_ids):
-        runner.add(sub, req.prompts[i // req.n], req.params[i], queue, arrival)
+        runner.add(sub, req.prompts[i // req.n], req.params[i], queue, arrival, req.priority,
+                   request.scope.get("infer.tenant", ""))
     if state.config.log_requests:
         log.info("request %s: %s prompts=%r params=%r", rid, req.kind, req.prompt_texts, req.params[0])
     else:

@@ -76,10 +76,11 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
-    def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue, arrival: float) -> None:
+    def add(self, rid: str, prompt_ids: list[int], params, queue: asyncio.Queue, arrival: float,
+            priority: int = 0, tenant: str = "") -> None:
         with self._lock:
             self._pending_adds += 1
-        self._cmds.append(("add", rid, prompt_ids, params, queue, arrival))
+        self._cmds.append(("add", rid, prompt_ids, params, queue, arrival, priority, tenant))
         self._wake.set()
 
     def abort(self, rid: str) -> None:
@@ -126,9 +127,9 @@ class EngineLoop:
         while self._cmds:
             cmd = self._cmds.popleft()
             if cmd[0] == "add":
-                _, rid, ids, params, queue, arrival = cmd
+                _, rid, ids, params, queue, arrival, priority, tenant = cmd
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, priority=priority, tenant=tenant)
                     self._tracks[rid] = _Track(rid, queue, arrival, len(ids))
                 except Exception as e:  # validated before, so this is rare: hand it to the handler
                     param = str(e).split("=", 1)[0] if "=" in str(e)[:40] else None

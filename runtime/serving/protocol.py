@@ -37,6 +37,7 @@ MAX_CHOICES = 256  # prompts x n: the sequences one request fans out to (and nev
 MAX_MESSAGES = 1024
 CHARS_PER_TOKEN = 32  # a prompt longer than this many characters per token of the context is refused untokenized
 MAX_DETOKENIZE = 65536  # token ids in one /detokenize call
+PRIORITY = Range(-(1 << 31), (1 << 31) - 1, integer=True)  # a request's priority: lower runs first (as vLLM)
 
 
 class APIError(Exception):
@@ -179,7 +180,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream
            "presence_penalty", "frequency_penalty", "logit_bias", "user", "response_format",
            # the engine's extras, as vLLM names them
            "top_k", "min_p", "repetition_penalty", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-           "allowed_token_ids", "structured_outputs", "speculative", *GUIDED_FIELDS}
+           "allowed_token_ids", "structured_outputs", "speculative", "priority", *GUIDED_FIELDS}
 COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "logprobs", "echo", "best_of", "prompt_logprobs"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                          "tools", "tool_choice", "parallel_tool_calls", "store", "metadata", "service_tier",
@@ -245,6 +246,7 @@ class GenRequest:
     extra: dict = field(default_factory=dict)
     tool_format: ToolFormat | None = None  # set when the reply may hold tool calls: how to parse them
     constrained: str | None = None  # the structured output's kind (counted in /metrics), or None
+    priority: int = 0  # lower runs first (engine/scheduler.py)
 
     @property
     def num_choices(self) -> int:
@@ -625,6 +627,7 @@ def parse_completion(body: dict, info: ModelInfo) -> GenRequest:
         for i in range(n):
             params.append(_sampling(values, "completion", mt, logprobs, prompt_logprobs, _choice_seed(seed, i)))
     return GenRequest("completion", prompts, texts, params, n, stream, include_usage, echo=echo,
+                      priority=_int(body, "priority", PRIORITY) or 0,
                       logprobs=logprobs, discard_output=discard, constrained=structured and structured.kind)
 
 
@@ -765,6 +768,7 @@ def parse_chat(body: dict, info: ModelInfo) -> GenRequest:
         values["structured"] = structured
     params = [_sampling(values, "chat", mt, logprobs, None, _choice_seed(seed, i)) for i in range(n)]
     return GenRequest("chat", [ids], [text], params, n, stream, include_usage, logprobs=logprobs,
+                      priority=_int(body, "priority", PRIORITY) or 0,
                       tool_format=info.tools.format if calling else None,
                       constrained="tools" if calling else structured and structured.kind)
 
@@ -879,6 +883,7 @@ def request_body_schemas(info: ModelInfo | None) -> dict[str, dict]:
         "stop_token_ids": {"type": "array", "items": token, "maxItems": MAX_STOP_TOKEN_IDS},
         "skip_special_tokens": {"type": "boolean"},
         "speculative": _described({"type": "boolean"}, "false: this request never drafts (infer-run --speculative)"),
+        "priority": _described(PRIORITY.json_schema(), "lower runs first (vLLM's priority scheduling); default 0"),
     }
     completion = {
         **common,

@@ -34,6 +34,7 @@ class ServerConfig:
     max_body: int = DEFAULT_MAX_BODY
     access_log: bool = False
     step_trace: str | None = None  # a JSONL file: every engine step, event-loop lag, stream delays (trace.py)
+    tenants: object = None  # serving.tenants.Tenants (--tenants): keys, rates, the scheduler's fair share
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -126,6 +127,8 @@ def serve(config: ServerConfig, artifact: Artifact) -> int:
     from .metrics import ServerMetrics
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.tenants is not None:
+        config.engine.fairness = config.tenants.fairness()
     state = State(config, artifact)
     state.metrics = ServerMetrics(state.name)
     if config.step_trace:
