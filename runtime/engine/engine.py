@@ -27,12 +27,12 @@ from ..artifact import Artifact, verify_artifact
 from .block_manager import BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
-from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block
-from .sampler import sample, token_logprobs
+from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block, kv_cache_dtype
+from .sampler import sample, token_logprobs, verify_draft
 from .sampling_params import SamplingParams
 from .scheduler import Fairness, ScheduledBatch, Scheduler
 from .sequence import Sequence, Status
-from .speculative import NgramProposer, SpeculativeConfig, accepted_prefix, eligible
+from .speculative import NgramProposer, SpeculativeConfig, eligible
 from .structured import Constraint, Grammars, MaskFiller
 from .step_record import StepRecord, new_step_records
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -47,6 +47,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM (of free GPU memory on cuda)
     kv_cache_fraction: float = 0.2
+    kv_cache_dtype: str = "auto"  # auto (the artifact's manifest, else the model's dtype) | bfloat16 | int8 (model_runner)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     # waiting prompts stop joining a step once its prompt tokens reach this (0: the budget alone)
@@ -208,7 +209,8 @@ class LLMEngine:
         log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
-        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.model.dtype) * tp  # a rank holds 1/tp of it
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.artifact.kv_cache_dtype, self.model.dtype, self.kernels, tp)
+        per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype) * tp  # a rank holds 1/tp of it
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
         budget = cfg.kv_cache_memory or int(free * cfg.kv_cache_fraction)
         useful = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size) + 1
@@ -223,6 +225,7 @@ class LLMEngine:
                                    cfg.enable_chunked_prefill, cfg.prefill_batch_tokens, cfg.fairness)
         if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
             on["graph_buckets"] = graph_buckets_for(self.device, self.kernels.backend, cfg.cuda_graphs, cfg.max_num_seqs)
+            on["kv_dtype"] = self.kv_dtype
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
                                                                         self.kernels, self.tuning, **on)
         self.requests: dict[str, _Request] = {}
@@ -429,12 +432,13 @@ class LLMEngine:
             self.proposer.draft(seq, room)
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
-        """Greedy acceptance of a sequence's draft: the tokens the target would have chosen anyway, plus
-        its own next one; the rest of the draft is taken back and its blocks given back."""
+        """Accepts a sequence's draft (greedily, or by speculative sampling: the sampler's verify_draft):
+        the accepted tokens and one of the target's own; the rest of the draft is taken back and its blocks
+        given back."""
         if not torch.isfinite(logits).all():
             raise ValueError("the model's logits for this sequence are not finite (NaN or infinity)")
         draft = seq.spec.draft
-        emit = accepted_prefix(draft, logits.argmax(-1).tolist())
+        emit = verify_draft(logits, seq)
         seq.spec.drafted += len(draft)
         seq.spec.accepted += len(emit) - 1
         self.stats["spec_steps"] += 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .sequence import Sequence
+from .speculative import accepted_prefix, sampled_prefix
 from .structured import apply_masks
 
 
@@ -178,6 +179,17 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
     logprobs = [None if w is None or i in errors else token_logprobs(logprobs_all[i], token_ids[i], w)
                 for i, w in enumerate(want)]
     return SampleResult(token_ids, logprobs, errors)
+
+
+def verify_draft(logits: torch.Tensor, seq: Sequence) -> list[int]:
+    """The tokens a sequence emits from its draft's rows (``logits`` [1 + len(draft), vocab]): greedy
+    acceptance for a greedy request, speculative sampling for a sampled one (runtime/engine/speculative.py;
+    a drafting request has no penalties, bias or grammar, so only the filters apply)."""
+    draft = seq.spec.draft
+    if seq.params.greedy:
+        return accepted_prefix(draft, logits.argmax(-1).tolist())
+    probs = filter_logits(logits, [seq] * logits.shape[0]).softmax(-1)
+    return sampled_prefix(draft, probs, lambda: _uniforms([seq]).item())
 
 
 def token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int) -> dict:

@@ -112,10 +112,14 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW
 
     @property
+    def penalized(self) -> bool:
+        """Whether repetition, presence or frequency penalties move the logits (they depend on the output so far)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty) or bool(self.frequency_penalty)
+
+    @property
     def argmax_decides(self) -> bool:
         """Greedy with no penalty to move the argmax: the raw (biased, masked) logits' argmax is the token."""
-        return self.greedy and self.repetition_penalty == 1.0 and not self.presence_penalty \
-            and not self.frequency_penalty
+        return self.greedy and not self.penalized
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raises ValueError naming the first field out of its range. With ``vocab_size`` (the engine

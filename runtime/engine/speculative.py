@@ -7,24 +7,36 @@ model runs: input-grounded answers (quoting, extracting, editing the prompt's te
 of it, open chat rarely does, and then nothing is drafted and the step is a plain decode.
 
 Verification: the draft tokens are appended to the sequence and computed in the same step as its
-last token, as a chunk over its cache; the logits of every one of those rows come back. Greedy
-acceptance keeps the target's output exactly: draft tokens are accepted while each equals the
-target's argmax at its position, and the target's own token at the first mismatch (or after the
-last draft token) is emitted too, so a step emits 1 to k+1 tokens. Rejected tokens' KV slots are
-simply overwritten later; their blocks past the sequence's end are given back, and the prefix cache
-only ever hashes verified tokens.
+last token, as a chunk over its cache; the logits of every one of those rows come back. A step
+emits 1 to k+1 tokens (the sampler's ``verify_draft`` chooses them):
+- greedy requests keep the target's output exactly (``accepted_prefix``): draft tokens are accepted
+  while each equals the target's argmax at its position, and the target's own token at the first
+  mismatch (or after the last draft token) is emitted too;
+- sampled requests keep the target's distribution exactly (``sampled_prefix``, speculative sampling
+  as in Leviathan et al. 2023 and Chen et al. 2023, with a draft that puts all its mass on one token
+  per position): each draft token is accepted with the target's probability of it (after
+  temperature, top-k, top-p, min-p); at the first rejection a token is drawn from the target's
+  distribution without the rejected token, renormalized; after a fully accepted draft, one more from
+  the last row. The uniforms come from the request's own generator when it is seeded, so a seeded
+  request is reproducible with speculation on (its tokens differ from speculation off, as any other
+  use of the random stream would make them; its distribution does not).
+Rejected tokens' KV slots are simply overwritten later; their blocks past the sequence's end are
+given back, and the prefix cache only ever hashes verified tokens.
 
-The rule (``eligible``, ``SpecState``): a sequence drafts when it decodes greedily without
-penalties, grammar, logprobs or a per-request opt-out; when the step has at most ``max_batch``
+The rule (``eligible``, ``SpecState``): a sequence drafts when it decodes without penalties,
+grammar, logit_bias, logprobs or a per-request opt-out; when the step has at most ``max_batch``
 running sequences (past that, verifying costs more than a draft saves); and while its acceptance
 holds up: from ``probe_tokens`` drafted tokens on, with fewer than ``min_acceptance`` of them
-accepted it stops drafting for good. Sampled requests (temperature > 0) do not draft yet.
+accepted it stops drafting for good.
 """
 
 from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
 
 METHODS = ("off", "ngram")
 
@@ -86,7 +98,7 @@ def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int
 def eligible(seq) -> bool:
     """Whether a sequence (engine/sequence.py, which holds a SpecState: so not imported here) may draft."""
     p = seq.params
-    return (p.argmax_decides and seq.constraint is None and p.logprobs is None and p.prompt_logprobs is None
+    return (not p.penalized and seq.constraint is None and p.logprobs is None and p.prompt_logprobs is None
             and not p.logit_bias and p.allowed_token_ids is None and p.speculative)
 
 
@@ -119,3 +131,29 @@ def accepted_prefix(draft: list[int], target: list[int]) -> list[int]:
         out.append(d)
     out.append(target[len(out)])
     return out
+
+
+def sampled_prefix(draft: list[int], probs: torch.Tensor, uniform: Callable[[], float]) -> list[int]:
+    """Speculative sampling of a one-token-per-position draft: ``probs`` [len(draft) + 1, vocab] is the
+    target's filtered distribution at each row, ``uniform()`` one U[0, 1) number. Each draft token d is
+    accepted with probability p(d) (the draft's own probability of d is 1, so min(1, p/q) = p(d)); at the
+    first rejection the token comes from max(0, p - q) renormalized, which is p without d."""
+    out = []
+    for row, d in enumerate(draft):
+        p = probs[row]
+        if uniform() < p[d].item():
+            out.append(d)
+            continue
+        residual = p.clone()
+        residual[d] = 0.0
+        out.append(inverse_cdf(residual, uniform()))
+        return out
+    out.append(inverse_cdf(probs[len(draft)], uniform()))
+    return out
+
+
+def inverse_cdf(weights: torch.Tensor, u: float) -> int:
+    """The token whose cumulative weight first exceeds u times the total (weights need not sum to 1)."""
+    cdf = weights.double().cumsum(0)
+    return int(torch.searchsorted(cdf, torch.tensor([u * cdf[-1].item()], dtype=cdf.dtype), right=True)
+               .clamp_(max=weights.numel() - 1))
