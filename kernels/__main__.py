@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     from . import (amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention,
-                   int4_linear, layer_ops, step_layers)
+                   int4_linear, int8_linear, layer_ops, step_layers)
     from . import isa
     from .extension import cache_root
     from .resolver import cpu_has_amx, cpu_has_avx512_bf16
@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     if cpu_has_amx():
         kernels |= {"amx_linear": amx_linear.load, "amx_attention": amx_attention.load}
     if isa.at_least("avx2"):
-        kernels |= {"bf16_linear": bf16_linear.load, "int4_linear": int4_linear.load, "step_layers": step_layers.load}
+        kernels |= {"bf16_linear": bf16_linear.load, "int4_linear": int4_linear.load,
+                    "int8_linear": int8_linear.load, "step_layers": step_layers.load}
     if cpu_has_avx512_bf16():
         kernels |= {"bf16_attention": bf16_attention.load}
     failed = []
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_has_amx():
         print("amx_linear, amx_attention: not built (this CPU has no AMX)")
     if not isa.at_least("avx2"):
-        print("bf16_linear, int4_linear, step_layers: not built (this CPU has no AVX2 + FMA)")
+        print("bf16_linear, int4_linear, int8_linear, step_layers: not built (this CPU has no AVX2 + FMA)")
     if not cpu_has_avx512_bf16():
         print("bf16_attention: not built (no AVX-512 BF16 in the active class)")
     print(f"cache: {cache_root()}")

@@ -1,0 +1,382 @@
+// int8-weight linears with per-output-channel scales, on every CPU class from AVX2 up (one source, the
+// instructions chosen by the build's target flags, kernels/isa.py):
+// - W8A16 (`int8_linear`): bfloat16 activations. Each int8 weight is widened to float32 in registers
+//   (vpmovsxbd + vcvtdq2ps) and multiplied with FMA against a broadcast x[k]; products of an int8 and a
+//   bfloat16 are exact in float32, the sums are float32, and the column's scale and the float32 bias are
+//   applied once at the end, y = round_bf16(fma(sum, scale, bias)).
+// - W8A8 (`w8a8_linear`): activations quantized per token inside the call exactly as compressed-tensors
+//   declares it (scale = absmax / 127.5 in float32, or float32 epsilon for an all-zero row; codes =
+//   round-half-even(clamp(x / scale, -128, 127))), int8 x int8 products summed exactly in int32, then
+//   y = round_bf16(fma(float(sum), x_scale * w_scale, bias)): the same float32 operations as
+//   runtime/model/quant_linear.py's W8A8Linear (torch._int_mm), so without a bias the two agree bit for bit.
+//   Without VNNI the int8 pairs are sign-extended to int16 and multiplied with vpmaddwd, which is exact
+//   (two products of at most 128 x 128 never leave int32); vpmaddubsw is not used (it saturates at int16).
+//   With AVX-512 VNNI, vpdpbusd multiplies unsigned x signed bytes: the activations are offset to
+//   u = q + 128 and 128 x sum_k w[k, col], precomputed at pack time, is subtracted from each column's sum.
+//
+// A decode step reads every weight once: an int8 weight is half of a bfloat16 one's bytes. Weights are
+// packed once, at load (kernels/int8_linear.py), per block of W = 64 output columns (32 for a weight of at
+// most 1024 columns, so a decode step's blocks split evenly over threads, as bf16_linear.cpp does), each
+// block one sequential stream:
+// - W8A16: [N/W][K][W]: row k holds the block's W weights of input k (one cache line at W = 64).
+// - W8A8: [N/W][K/4][W][4]: each 32-bit word holds one column's 4 consecutive k, the operand vpdpbusd
+//   takes; without VNNI, (word << 8) >> 8 and word >> 8 in 16-bit halves (arithmetic) give the (k, k+2)
+//   and (k+1, k+3) pairs as int16, each multiplied by vpmaddwd against a broadcast pair of x codes.
+// Few rows (a decode step) read each block front to back with every sum in registers, lanes = output
+// columns, no horizontal reduction; more rows go in tiles that reuse each widened weight vector for
+// several rows (a prompt chunk).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include "float_storage.h"
+#include "work_split.h"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// How far ahead of its loads a tile prefetches its block (bf16_linear.cpp measured 2 KiB best).
+constexpr int64_t kPrefetchBytes = 2048;
+
+struct Int8Inputs {
+  int64_t m, k, blocks, width;
+  const float* scale;  // [blocks * width]
+  const float* bias;   // [n] or nullptr
+};
+
+inline Int8Inputs check_int8_inputs(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
+                                    const torch::Tensor& scales, int64_t n, const c10::optional<torch::Tensor>& bias,
+                                    int64_t dims) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
+              ": x must be a [M, K] bfloat16 tensor with contiguous rows");
+  TORCH_CHECK(packed.dim() == dims && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+                  (packed.size(2) == 64 || packed.size(2) == 32) && (dims == 3 || packed.size(3) == 4),
+              name, ": the weight must be packed by kernels/int8_linear.py");
+  const int64_t m = x.size(0), blocks = packed.size(0), width = packed.size(2);
+  const int64_t k = dims == 3 ? packed.size(1) : 4 * packed.size(1);
+  TORCH_CHECK(x.size(1) == k, name, ": x has ", x.size(1), " features, the packed weight ", k);
+  TORCH_CHECK(n > (blocks - 1) * width && n <= blocks * width, name, ": ", n,
+              " output features do not match the packed weight's ", blocks, " blocks");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks * width, name,
+              ": scales must be float32 [blocks x width] (kernels/int8_linear.py)");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, name,
+                ": bias must be a contiguous float32 [N] tensor");
+    b = bias->data_ptr<float>();
+  }
+  return {m, k, blocks, width, scales.data_ptr<float>(), b};
+}
+
+// compressed-tensors' dynamic per-token int8 quantization of one row, in float32 as torch computes it:
+// returns the row's scale and writes its codes.
+inline float quantize_row(const at::BFloat16* x, int64_t k, int8_t* codes) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(infer::to_float(x[i])));
+  float scale = absmax / 127.5f;
+  if (scale == 0.f) scale = FLT_EPSILON;  // torch.finfo(torch.float32).eps
+  for (int64_t i = 0; i < k; ++i) {
+    const float v = std::min(std::max(infer::to_float(x[i]) / scale, -128.f), 127.f);
+    codes[i] = static_cast<int8_t>(std::nearbyint(v));  // the default rounding mode: to nearest, ties to even
+  }
+  return scale;
+}
+
+}  // namespace
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+namespace {
+
+// The vectors of this build: 16 lanes with AVX-512F, 8 with AVX2.
+#if defined(__AVX512F__)
+using vf = __m512;
+using vi = __m512i;
+constexpr int kLanes = 16;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vi vizero() { return _mm512_setzero_si512(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+// 16 int8 weights widened to float32 (exact)
+inline vf widen_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vi vload_words(const int8_t* p) { return _mm512_loadu_si512(p); }
+inline vi vwords(int32_t w) { return _mm512_set1_epi32(w); }
+inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
+inline vi vsub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
+inline vi vload_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
+inline vi madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }
+inline vi even_pairs(vi w) { return _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8); }  // bytes 0, 2 as int16
+inline vi odd_pairs(vi w) { return _mm512_srai_epi16(w, 8); }                        // bytes 1, 3 as int16
+#else
+using vf = __m256;
+using vi = __m256i;
+constexpr int kLanes = 8;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vi vizero() { return _mm256_setzero_si256(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vf widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vi vload_words(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi vwords(int32_t w) { return _mm256_set1_epi32(w); }
+inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
+inline vi vsub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
+inline vi vload_i32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
+inline vi madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
+inline vi even_pairs(vi w) { return _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8); }
+inline vi odd_pairs(vi w) { return _mm256_srai_epi16(w, 8); }
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+// u8 (activation + 128) x s8 (weight), 4 products a lane, summed into int32 exactly (vpdpbusd: no saturation)
+inline vi dot4(vi acc, vi xu, vi w) { return _mm512_dpbusd_epi32(acc, xu, w); }
+#else
+constexpr bool kVnni = false;
+#endif
+
+// y[r, col] = fma(sum, scale(r, col), bias[col]) rounded once to bfloat16, for the live columns of one vector.
+inline void store_row(vf sum, vf scale, const float* bias, uint16_t* y, int64_t col, int64_t n) {
+  alignas(64) float b[kLanes] = {};
+  if (bias != nullptr)
+    for (int i = 0; i < kLanes && col + i < n; ++i) b[i] = bias[col + i];
+  alignas(64) float out[kLanes];
+  vstore(out, vfma(sum, scale, vload(b)));
+  for (int i = 0; i < kLanes && col + i < n; ++i) y[col + i] = infer::from_float<at::BFloat16>(out[i]).x;
+}
+
+inline void prefetch(const int8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
+
+// ---------------------------------------------------------------------------- W8A16
+
+// y[0:ROWS, cols c0 .. c0 + V kLanes of the block] for x in float32 (K floats a row); the block is
+// `width` columns wide, its first column n0; scale: the block's column scales.
+template <int ROWS, int V>
+inline void tile16(const float* xf, int64_t k, const int8_t* block, int64_t width, int64_t c0, const float* scale,
+                   const float* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+  vf acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < V; ++j) acc[r][j] = vzero();
+  const int8_t* w = block + c0;
+  for (int64_t i = 0; i < k; ++i, w += width) {
+    prefetch(w);
+    vf xb[ROWS];
+    for (int r = 0; r < ROWS; ++r) xb[r] = vbroadcast(xf + r * k + i);
+    for (int j = 0; j < V; ++j) {  // one widened vector live at a time: V x ROWS sums fill the registers
+      const vf wv = widen_i8(w + j * kLanes);
+      for (int r = 0; r < ROWS; ++r) acc[r][j] = vfma(xb[r], wv, acc[r][j]);
+    }
+  }
+  for (int j = 0; j < V; ++j) {
+    const int64_t col = n0 + c0 + j * kLanes;
+    if (col >= n) break;
+    const vf s = vload(scale + c0 + j * kLanes);
+    for (int r = 0; r < ROWS; ++r) store_row(acc[r][j], s, bias, y + r * ldy, col, n);
+  }
+}
+
+template <int V>  // vectors a block row: width / kLanes
+inline void rows_of_block16(const float* xf, int64_t k, const int8_t* block, const float* scale, const float* bias,
+                            uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
+  constexpr int64_t width = V * kLanes;
+  constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // 2 x rows accumulators, of 32 or 16 registers
+  if (r1 - r < kTileRows) {
+    for (; r < r1; ++r) tile16<1, V>(xf + r * k, k, block, width, 0, scale, bias, y + r * n, n, n0, n);
+    return;
+  }
+  for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
+    int64_t i = r;
+    for (; i + kTileRows <= r1; i += kTileRows)
+      tile16<kTileRows, 2>(xf + i * k, k, block, width, c0, scale, bias, y + i * n, n, n0, n);
+    for (; i + 2 <= r1; i += 2) tile16<2, 2>(xf + i * k, k, block, width, c0, scale, bias, y + i * n, n, n0, n);
+    for (; i < r1; ++i) tile16<1, 2>(xf + i * k, k, block, width, c0, scale, bias, y + i * n, n, n0, n);
+  }
+}
+
+// ---------------------------------------------------------------------------- W8A8
+
+struct W8A8Args {
+  const int32_t* xw;    // per row, K/4 words: without VNNI the (k, k+2) int16 pair then the (k+1, k+3) pair
+                        // (2 words a k quad); with VNNI the 4 codes + 128 as bytes (1 word)
+  int64_t xwords;       // words a row
+  const float* xscale;  // [M]
+  const int8_t* w;      // [blocks][K/4][W][4]
+  const float* scale;   // [blocks * W]
+  const int32_t* colsum;  // [blocks * W]: 128 x sum_k w (VNNI's offset)
+  const float* bias;
+  uint16_t* y;
+  int64_t n, quads, width;
+};
+
+template <int ROWS, int V>
+inline void tile8(const W8A8Args& a, int64_t blk, int64_t c0, int64_t r0) {
+  vi acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < V; ++j) acc[r][j] = vizero();
+  const int8_t* w = a.w + (blk * a.quads * a.width + c0) * 4;
+  const int64_t step = 4 * a.width;
+  for (int64_t q = 0; q < a.quads; ++q, w += step) {
+    prefetch(w);
+    if (V * kLanes * 4 > 64) prefetch(w + 64);
+    if (V * kLanes * 4 > 128) {
+      prefetch(w + 128);
+      prefetch(w + 192);
+    }
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+    for (int j = 0; j < V; ++j) {
+      const vi wv = vload_words(w + 4 * kLanes * j);
+      for (int r = 0; r < ROWS; ++r) acc[r][j] = dot4(acc[r][j], vwords(a.xw[(r0 + r) * a.xwords + q]), wv);
+    }
+#else
+    for (int j = 0; j < V; ++j) {
+      const vi wv = vload_words(w + 4 * kLanes * j);
+      const vi lo = even_pairs(wv), hi = odd_pairs(wv);
+      for (int r = 0; r < ROWS; ++r) {
+        const int32_t* xr = a.xw + (r0 + r) * a.xwords + 2 * q;
+        acc[r][j] = vadd32(acc[r][j], vadd32(madd16(lo, vwords(xr[0])), madd16(hi, vwords(xr[1]))));
+      }
+    }
+#endif
+  }
+  for (int j = 0; j < V; ++j) {
+    const int64_t col = blk * a.width + c0 + j * kLanes;
+    if (col >= a.n) break;
+    const vf ws = vload(a.scale + col);
+    const vi offset = kVnni ? vload_i32(a.colsum + col) : vizero();
+    for (int r = 0; r < ROWS; ++r) {
+      const vf s = vmul(vbroadcast(a.xscale + r0 + r), ws);  // x_scale * w_scale, as torch multiplies them
+      store_row(vcvt(vsub32(acc[r][j], offset)), s, a.bias, a.y + (r0 + r) * a.n, col, a.n);
+    }
+  }
+}
+
+template <int V>
+inline void rows_of_block8(const W8A8Args& a, int64_t blk, int64_t r, int64_t r1) {
+  constexpr int kTileRows = kLanes == 16 ? 8 : 4;
+  if (r1 - r < kTileRows) {
+    for (; r < r1; ++r) tile8<1, V>(a, blk, 0, r);
+    return;
+  }
+  for (int64_t c0 = 0; c0 < V * kLanes; c0 += 2 * kLanes) {
+    int64_t i = r;
+    for (; i + kTileRows <= r1; i += kTileRows) tile8<kTileRows, 2>(a, blk, c0, i);
+    for (; i + 2 <= r1; i += 2) tile8<2, 2>(a, blk, c0, i);
+    for (; i < r1; ++i) tile8<1, 2>(a, blk, c0, i);
+  }
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K, W] int8, scales: float32 [ceil(N/W) W]
+// (kernels/int8_linear.py); bias: float32 [N] or None. Returns [M, N] bfloat16.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n,
+                          c10::optional<torch::Tensor> bias) {
+  const Int8Inputs in = check_int8_inputs("int8_linear", x, packed, scales, n, bias, 3);
+  const int64_t m = in.m, k = in.k, width = in.width;
+  // x widened once (exact) with plain loops: a torch op's dispatch would cost a decode step's small linears
+  std::vector<float> xf(m * k);
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
+  auto y = torch::empty({m, n}, x.options());
+  const float* xp = xf.data();
+  const auto* wp = packed.data_ptr<int8_t>();
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
+    const int8_t* w = wp + blk * k * width;
+    const float* s = in.scale + blk * width;
+    if (width == 64)
+      rows_of_block16<64 / kLanes>(xp, k, w, s, in.bias, yp, blk * width, n, r, r1);
+    else
+      rows_of_block16<32 / kLanes>(xp, k, w, s, in.bias, yp, blk * width, n, r, r1);
+  });
+  return y;
+}
+
+// x: [M, K] bfloat16 with contiguous rows, quantized here per token; packed: [ceil(N/W), K/4, W, 4] int8,
+// scales: float32 [ceil(N/W) W], colsums: int32 [ceil(N/W) W], 128 x each column's sum of codes
+// (kernels/int8_linear.py); bias: float32 [N] or None. Returns [M, N] bfloat16.
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor colsums,
+                          int64_t n, c10::optional<torch::Tensor> bias) {
+  const Int8Inputs in = check_int8_inputs("w8a8_linear", x, packed, scales, n, bias, 4);
+  TORCH_CHECK(colsums.scalar_type() == at::kInt && colsums.is_contiguous() && colsums.numel() == scales.numel(),
+              "w8a8_linear: colsums must be int32 of the scales' shape (kernels/int8_linear.py)");
+  const int64_t m = in.m, k = in.k, quads = k / 4;
+  // each row's codes, laid out as the tiles broadcast them
+  const int64_t xwords = kVnni ? quads : 2 * quads;
+  std::vector<int32_t> xw(m * xwords);
+  std::vector<float> xscale(m);
+  std::vector<int8_t> codes(k);
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  for (int64_t r = 0; r < m; ++r) {
+    xscale[r] = quantize_row(xb + r * x.stride(0), k, codes.data());
+    int32_t* out = xw.data() + r * xwords;
+    for (int64_t q = 0; q < quads; ++q) {
+      const int8_t* c = codes.data() + 4 * q;
+      if (kVnni) {
+        uint32_t word = 0;
+        for (int i = 0; i < 4; ++i) word |= static_cast<uint32_t>(static_cast<uint8_t>(c[i] + 128)) << (8 * i);
+        out[q] = static_cast<int32_t>(word);
+      } else {  // int16 pairs (k, k+2) and (k+1, k+3), low half first
+        out[2 * q] = static_cast<int32_t>(static_cast<uint16_t>(c[0]) | static_cast<uint32_t>(static_cast<uint16_t>(c[2])) << 16);
+        out[2 * q + 1] = static_cast<int32_t>(static_cast<uint16_t>(c[1]) | static_cast<uint32_t>(static_cast<uint16_t>(c[3])) << 16);
+      }
+    }
+  }
+  auto y = torch::empty({m, n}, x.options());
+  const W8A8Args a{xw.data(), xwords, xscale.data(), packed.data_ptr<int8_t>(), in.scale, colsums.data_ptr<int32_t>(),
+                   in.bias, reinterpret_cast<uint16_t*>(y.data_ptr()), n, quads, in.width};
+  infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
+    if (a.width == 64)
+      rows_of_block8<64 / kLanes>(a, blk, r, r1);
+    else
+      rows_of_block8<32 / kLanes>(a, blk, r, r1);
+  });
+  return y;
+}
+
+bool available() { return true; }
+bool has_vnni() { return kVnni; }
+
+#else
+
+torch::Tensor int8_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "int8_linear: built for a CPU without AVX2 and FMA");
+}
+torch::Tensor w8a8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
+                          c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "w8a8_linear: built for a CPU without AVX2 and FMA");
+}
+bool available() { return false; }
+bool has_vnni() { return false; }
+
+#endif
+
+#ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "W8A16: int8 per-channel weights, bfloat16 activations (CPU: AVX-512F or AVX2 + FMA)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("w8a8_linear", &w8a8_linear,
+        "W8A8: int8 per-channel weights, dynamic per-token int8 activations, exact int32 sums",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("available", &available, "whether this build has the int8 kernels (its target has AVX2 + FMA at least)");
+  m.def("has_vnni", &has_vnni, "whether W8A8 runs on AVX-512 VNNI (vpdpbusd) in this build");
+}
+#endif

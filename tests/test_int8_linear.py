@@ -1,0 +1,139 @@
+"""The int8-weight linears (kernels/csrc/int8_linear.cpp, the active CPU class's build) against float64:
+W8A16 (int8 per-channel weights, bfloat16 activations) and W8A8 (dynamic per-token int8 activations, exact
+int32 sums), at the code extremes +127 / -128 (where an int16-saturating product, AVX2's vpmaddubsw, would
+be wrong), partial column blocks, a bias, decode rows and prompt-chunk rows; and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.kernels import int8_linear, isa
+
+MODULE = int8_linear.load()
+needs_kernel = pytest.mark.skipif(MODULE is None, reason="this CPU has no AVX2 + FMA: the kernel is never loaded "
+                                                         "here; int8 layers run torch's ops (test_quant_runtime)")
+
+
+def test_the_int8_kernels_are_built_on_every_class_from_avx2():
+    assert (MODULE is not None) == isa.at_least("avx2")
+
+
+def _weight(n, k, gen):
+    """Random int8 codes with both extremes in every row, and per-channel scales."""
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+    q[:, 0], q[:, 1], q[: n // 2, 2:6] = -128, 127, -128  # pairs and quads of -128 x -128 products
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    return q, scale
+
+
+SHAPES = [
+    (1, 576, 576, False),  # a decode row, the embedded model's shapes
+    (1, 3072, 576, True),  # wide blocks (64 columns)
+    (3, 100, 192, True),  # a partial 32-column block, a bias
+    (15, 1088, 1536, False),  # wide blocks with a partial one; the last row count split in advance
+    (16, 40, 256, True),  # the first that takes work items from the counter
+    (70, 96, 64, False),  # prompt-chunk rows in tiles, and their remainders
+]
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, bias", SHAPES)
+def test_w8a16_matches_float64(m, n, k, bias, fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, scale = _weight(n, k, gen)
+    w = q.double() * scale.double()[:, None]
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    x[0, :2] = torch.tensor([-3.0, 3.0]).to(torch.bfloat16)  # with the extreme codes
+    b = torch.randn(n, generator=gen) if bias else None
+    want = x.double() @ w.t() + (b.double() if bias else 0)
+    packed, scales = int8_linear.pack_w8a16(q, scale)
+    got = MODULE.int8_linear(x, packed, scales, n, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    # products exact in float32, float32 sums (error under K 2^-24 x |x| . |w|), one rounding to bfloat16:
+    # mostly the exact result's own rounding, else within one bfloat16 step of it
+    err = (got.double() - want).abs()
+    rounding = (want.to(torch.bfloat16).double() - want).abs()
+    magnitude = x.double().abs() @ w.abs().t()
+    assert (err <= rounding + 1e-6).float().mean() >= 0.99, (err - rounding).max()
+    assert (err <= want.abs() * 2.0 ** -8 + magnitude * k * 2.0 ** -24 + 1e-30).all(), (err / magnitude).max()
+
+
+def _torch_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor):
+    """runtime/model/quant_linear.py's W8A8Linear arithmetic (torch._int_mm), and its activation codes."""
+    from infer.runtime.model.compressed_tensors import Args
+    from infer.runtime.model.quant_linear import quantize_activations
+
+    codes, xs = quantize_activations(x, Args(8, "int", "token", dynamic=True), None)
+    acc = torch._int_mm(codes, q.t().contiguous()) if x.shape[0] > 16 else codes.int() @ q.int().t()
+    return (acc.float() * (xs * scale.reshape(1, -1).float())), codes, xs
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, bias", SHAPES)
+def test_w8a8_computes_the_declared_scheme(m, n, k, bias, fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, scale = _weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:2]] *= 30  # activation outliers
+    x = x.to(torch.bfloat16)
+    x[0, :6] = -3.0  # the row's absmax, negative: x / scale is -127.5 exactly (3 / (3 / 127.5) in float32),
+    x[0, 6:] = x[0, 6:].clamp(-2.9, 2.9)  # which rounds to code -128, against the -128 weights;
+    x[0, 6] = 3.0  # and +127.5, clamped to +127
+    b = torch.randn(n, generator=gen) if bias else None
+    packed, scales, colsums = int8_linear.pack_w8a8(q, scale)
+    got = MODULE.w8a8_linear(x, packed, scales, colsums, n, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    ref, codes, xs = _torch_w8a8(x, q, scale)
+    assert codes.min() == -128 and codes.max() >= 127
+    # the same float32 operations on the same exact int32 sums: bit for bit, the bias in float32 before the rounding
+    want32 = ref if b is None else ref + b
+    if b is None:
+        assert torch.equal(got, want32.to(torch.bfloat16))
+    else:  # fma(sum, s, b) against (sum x s) + b: one float32 rounding apart at most
+        assert ((got.float() - want32).abs() <= want32.abs() * 2.0 ** -8 + want32.abs().max() * 2.0 ** -20).all()
+    # and the declared scheme in float64: codes x scales times weight codes x scales
+    y64 = (codes.double() * xs.double()) @ (q.double() * scale.double()[:, None]).t() + (b.double() if bias else 0)
+    assert ((got.double() - y64).abs() <= y64.abs() * 2.0 ** -8 + y64.abs().max() * 2.0 ** -20).all()
+
+
+@needs_kernel
+def test_w8a8_sums_are_exact_at_the_code_extremes():
+    """Every product -128 x -128 (or 127 x -128): int16 pair sums of 32768 and int32 sums of K x 16384, which
+    an int16-saturating instruction or a float32 sum would not carry exactly."""
+    n, k = 64, 4096 + 8  # sums past 2^24 and 2^26: float32 cannot hold every integer there
+    q = torch.full((n, k), -128, dtype=torch.int8)
+    q[1::2, ::3] = 127
+    scale = torch.ones(n)
+    x = torch.full((2, k), -1.5).to(torch.bfloat16)  # codes -128 throughout (-127.5 exactly, rounded to even)
+    x[1, ::2] = 1.5  # codes +127 on half
+    packed, scales, colsums = int8_linear.pack_w8a8(q, scale)
+    got = MODULE.w8a8_linear(x, packed, scales, colsums, n, None)
+    ref, codes, xs = _torch_w8a8(x, q, scale)
+    assert codes[0].eq(-128).all() and codes[1, ::2].eq(127).all()
+    exact = codes.long() @ q.long().t()  # int64
+    assert torch.equal(got, (exact.float() * xs).to(torch.bfloat16))
+    assert torch.equal(got, ref.to(torch.bfloat16))
+
+
+@needs_kernel
+def test_int8_linears_refuse_what_they_were_not_packed_for():
+    q, scale = _weight(64, 128, torch.Generator().manual_seed(0))
+    p16, s16 = int8_linear.pack_w8a16(q, scale)
+    p8, s8, c8 = int8_linear.pack_w8a8(q, scale)
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    cases = {
+        r"x has 64 features, the packed weight 128": lambda: MODULE.int8_linear(x[:, :64].contiguous(), p16, s16, 64,
+                                                                                 None),
+        r"100 output features do not match": lambda: MODULE.w8a8_linear(x, p8, s8, c8, 100, None),
+        r"x must be a \[M, K\] bfloat16": lambda: MODULE.int8_linear(x.float(), p16, s16, 64, None),
+        r"packed by kernels/int8_linear.py": lambda: MODULE.int8_linear(x, p8, s8, 64, None),
+        r"scales must be float32": lambda: MODULE.w8a8_linear(x, p8, s8[:10], c8, 64, None),
+        r"colsums must be int32": lambda: MODULE.w8a8_linear(x, p8, s8, c8.float(), 64, None),
+        r"bias must be a contiguous float32 \[N\]": lambda: MODULE.int8_linear(x, p16, s16, 64, torch.zeros(63)),
+    }
+    for pattern, call in cases.items():
+        with pytest.raises(RuntimeError, match=pattern):
+            call()
+    with pytest.raises(ValueError, match="K must be a multiple of 4"):
+        int8_linear.pack_w8a8(torch.zeros(8, 102, dtype=torch.int8), torch.ones(8))
