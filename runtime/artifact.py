@@ -122,6 +122,13 @@ class Artifact:
     def version(self) -> str:
         return self.manifest["version"]
 
+    @property
+    def kv_cache_dtype(self) -> str | None:
+        """The KV cache format the build chose (manifest ``kv_cache.dtype``: "int8", or the model's dtype),
+        or None for an artifact that states none (the runtime then uses the model's dtype)."""
+        kv = self.manifest.get("kv_cache")
+        return kv.get("dtype") if isinstance(kv, dict) else None
+
     def weight_files(self) -> list[Path]:
         """The safetensors files the manifest lists, in name order: the only weights the runtime
         opens (an index can name no other, verify_artifact checks)."""

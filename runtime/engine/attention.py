@@ -8,7 +8,8 @@ in place, or padded to a common shape for one SDPA call with a causal mask offse
 already cached. A chunk that starts a sequence goes through the prefill kernel (AVX-512 BF16, over
 the cache its K/V were just written to) where there is one, else attends within itself by SDPA. A backend is
 anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call. What it
-builds (masks, indices, outputs) goes on the device of the tensors it is given.
+builds (masks, indices, outputs) goes on the device of the tensors it is given. An int8 (quantized)
+cache takes the C++ store and decode kernels only, every row a decode row (runtime/engine/model_runner.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class PagedAttention:
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
                  decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None,
                  prefill_kernel=None):
+        if kv_cache.dtype == torch.int8 and (decode_kernel is None or store_kv is None or prefills):
+            # the SDPA paths would need a dequantized copy of the context: the model runner sends every row
+            # of an int8 cache through the C++ kernels (ModelRunner's kv_dtype)
+            raise ValueError("an int8 KV cache is read by the C++ decode kernel alone (every row a decode row, "
+                             "stored first); the SDPA paths take a 16-bit cache: use kv_cache_dtype=bfloat16")
         self.decode_kernel = decode_kernel  # kernels.cpu_attention's, or None: gather + SDPA
         self.store_kv = store_kv  # kernels.cpu_attention's, or None: two index_copy_
         self.decodes_only = not prefills  # the rows are the decodes, in order: no gather, no scatter

@@ -12,7 +12,8 @@ from .sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, artifact, config: EngineConfig | None = None, **engine_args):
-        """``artifact``: a path, or an Artifact already verified; ``config`` or keyword arguments: EngineConfig."""
+        """``artifact``: a path, or an Artifact already verified; ``config`` or keyword arguments: EngineConfig
+        (e.g. ``kv_cache_dtype="int8"``: the quantized KV cache; "auto", the default, follows the artifact)."""
         self.engine = LLMEngine(artifact, config or EngineConfig(**engine_args))
         self.tokenizer = self.engine.tokenizer
         self._ids = count()

@@ -31,9 +31,44 @@ from .sequence import Sequence
 log = logging.getLogger("infer.engine")
 
 
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
+
+
+def kv_row(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one (token, KV head) row of the cache: head_dim, and 2 more for int8 (the row's
+    bfloat16 scale, kernels/csrc/paged_attention.cpp)."""
+    return head_dim + 2 if dtype == torch.int8 else head_dim
+
+
 def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
     cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_row(cfg.head_dim, dtype) * dtype.itemsize
+
+
+def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtype, kernels,
+                   tensor_parallel: int = 1) -> torch.dtype:
+    """The KV cache's dtype: ``requested`` (--kv-cache-dtype), where "auto" follows the artifact's manifest
+    (``artifact``: the format its build chose, None: the model's dtype). A 16-bit name means the model's
+    dtype (the cache holds what the model computes); int8 is the quantized cache, which needs the C++ CPU
+    kernels (the only ones that read it) and one rank: ValueError naming the fix otherwise; "auto" then
+    falls back to the model's dtype."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={requested!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    want = artifact if requested == "auto" else requested
+    if want != "int8":
+        return model_dtype
+    why = None
+    if kernels.backend != "cpp" or kernels.decode_attention is None or kernels.store_kv is None:
+        why = (f"the {kernels.backend} kernels cannot read it (only the C++ CPU kernels do: kernels=auto or cpp "
+               f"on the CPU)")
+    elif tensor_parallel > 1:
+        why = f"tensor parallelism (tp={tensor_parallel}) does not allocate it yet"
+    if why is None:
+        return torch.int8
+    if requested == "auto":
+        log.warning("the artifact's KV cache is int8, but %s: using %s", why, model_dtype)
+        return model_dtype
+    raise ValueError(f"kv_cache_dtype=int8: {why}; use kv_cache_dtype={str(model_dtype).removeprefix('torch.')}")
 
 
 @dataclass
@@ -89,12 +124,17 @@ class ModelRunner:
     max_threads: int | None = None  # a cap on the tuning table's threads (ranks sharing the cores)
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None,
-                 device: torch.device | str | None = None, graph_buckets: tuple[int, ...] | None = None):
+                 device: torch.device | str | None = None, graph_buckets: tuple[int, ...] | None = None,
+                 kv_dtype: torch.dtype | None = None):
         """``kernels``: the KernelSet the model was loaded with (infer.kernels.resolver); ``tuning``: a
         runtime.tuning.Tuning for this machine, whose per-bucket choices (decode attention kernel,
         threads) each step follows on the CPU. ``device``: the model's (None: wherever it is).
         ``graph_buckets`` (``graph_buckets_for``): decode steps padded to these batch sizes and, on
-        CUDA, captured as graphs now; on the CPU (tests) the padded step runs eagerly."""
+        CUDA, captured as graphs now; on the CPU (tests) the padded step runs eagerly. ``kv_dtype``: the
+        cache's (``kv_cache_dtype``; None: the model's). An int8 cache is read by the C++ decode kernel
+        alone: prompt chunks run as decode rows, each over the context up to its own position, after the
+        chunk's K/V are stored (quantized), so a prompt attends to the quantized cache as later tokens
+        do and a prefix-cache hit computes what a miss computes."""
         cfg = model.config
         self.device = model.device
         if device is not None and torch.device(device) not in (model.device, torch.device(model.device.type)):
@@ -113,8 +153,13 @@ class ModelRunner:
         # zeros, not torch.empty's stale memory (which can hold NaN: the SDPA paths weight padding and slots
         # past a sequence's end by 0, and 0 x NaN would fail a request); writing it also touches every page
         # now, at load, rather than during the first requests
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                                    dtype=model.dtype, device=self.device)
+        kv_dtype = kv_dtype or model.dtype
+        self.quantized_kv = kv_dtype == torch.int8
+        if self.quantized_kv:
+            kv_cache_dtype("int8", None, model.dtype, kernels)  # raises unless the C++ CPU kernels run
+            self.chunk_kernel = self.prefill_kernel = None  # they read 16-bit caches; chunks run as decode rows
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
+                                    kv_row(cfg.head_dim, kv_dtype), dtype=kv_dtype, device=self.device)
         self.graphs = None
         if graph_buckets:
             if kernels.backend != "triton":
@@ -140,7 +185,7 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if start > 0 and (n == 1 or (n == 1 + len(seq.spec.draft) and end == len(seq))):
+            if self.quantized_kv or start > 0 and (n == 1 or (n == 1 + len(seq.spec.draft) and end == len(seq))):
                 # a decode, or a decode and its draft: each row a decode over the context up to its own
                 # position (the draft's K/V are stored before any row attends), so a draft is verified by
                 # the same kernels and the one-call step that decode steps run
@@ -153,7 +198,7 @@ class ModelRunner:
                 chunk_tables.append(table[:-(-end // bs)])
             row += n
         decode_kernel = True
-        if self.tuning is not None and decode_rows and self.tuning.decode_attention(len(decode_rows)) == "torch-sdpa":
+        if self.tuning is not None and not self.quantized_kv and decode_rows and self.tuning.decode_attention(len(decode_rows)) == "torch-sdpa":
             decode_kernel = False  # the table measured gather + SDPA faster at this many decodes
         chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3)
         pin = self._pinned
