@@ -191,7 +191,16 @@ TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_gen
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
+# fields a router in front (vllm-router, SGLang's) adds to every request it forwards, at these values:
+# taken as meaning nothing; any other value is an unknown parameter as before
+ROUTER_DEFAULTS = {"no_stop_trim": False, "return_hidden_states": False, "continue_final_message": False,
+                   "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True}
+
+
 def check_known(body: dict, known: set[str]) -> None:
+    for name, value in ROUTER_DEFAULTS.items():
+        if name in body and body[name] is value and name not in known:
+            del body[name]
     unknown = sorted(set(body) - known, key=str)
     if unknown:
         raise APIError(400, f"unknown parameter {_shown(unknown[0])}; known: {', '.join(sorted(known))}",

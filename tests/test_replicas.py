@@ -1,0 +1,198 @@
+"""Replicas behind the router: the prefix-aware policy and its balance against load (no processes), then
+one deployment of a tiny model: SIGKILL of a replica under load (every request ends within 30 s, a
+broken stream with an SSE error event, the deployment whole again within 60 s) and a rolling upgrade
+under load with no failed request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from infer.runtime.serving.router import BLOCK_CHARS, Router, prefix_chain, request_text
+from test_server import free_port
+
+
+def test_prefix_chain_is_a_chain_of_full_blocks():
+    a = "x" * (BLOCK_CHARS * 3 + 10)
+    b = "x" * (BLOCK_CHARS * 2) + "y" * (BLOCK_CHARS + 10)
+    ca, cb = prefix_chain(a), prefix_chain(b)
+    assert len(ca) == 3 and ca[:2] == cb[:2] and ca[2] != cb[2]
+    assert prefix_chain("short") == []
+    assert request_text({"messages": [{"role": "system", "content": "S"}]}) != request_text({"prompt": "S"})
+
+
+def test_prefix_policy_sticks_to_the_replica_holding_the_prefix_unless_it_is_far_busier():
+    r = Router(["http://a", "http://b"], "prefix", threshold=0.5, balance=2)
+    for b in r.backends:
+        b.healthy = True
+    tenants = [prefix_chain(f"tenant {t} " * 400) for t in range(4)]
+    first = {}
+    for t, chain in enumerate(tenants):  # new prefixes spread out (least busy, then fewest cached blocks)
+        b = r.choose(chain, set())
+        b.remember(chain)
+        first[t] = b.url
+    assert sorted(first.values()) == ["http://a", "http://a", "http://b", "http://b"]
+    for t, chain in enumerate(tenants):  # and come back to where they were sent
+        assert r.choose(chain + prefix_chain("question " * 100), set()).url == first[t]
+    home = r.backend(first[0])
+    home.inflight = 3  # three more in flight than the other: past the balance, load wins
+    assert r.choose(tenants[0], set()).url != first[0]
+    home.inflight = 2
+    assert r.choose(tenants[0], set()).url == first[0]
+    home.healthy = False  # a replica that is down gets nothing
+    assert r.choose(tenants[0], set()).url != first[0]
+    assert r.choose(tenants[0], {"http://a", "http://b"}) is None
+
+
+def test_round_robin_alternates_and_a_bad_policy_is_refused():
+    r = Router(["http://a", "http://b"], "round_robin")
+    for b in r.backends:
+        b.healthy = True
+    assert [r.choose([], set()).url for _ in range(4)] == ["http://a", "http://b"] * 2
+    with pytest.raises(ValueError, match="choose one of prefix, round_robin"):
+        Router(["http://a"], "cache")
+
+
+@pytest.fixture(scope="module")
+def tiny_artifact(embedded_artifact, tmp_path_factory, cache_dir):
+    """A 2-layer random Llama with the embedded model's tokenizer: loads in seconds."""
+    import torch
+    import transformers
+
+    from infer.pipeline.build import build
+    from infer.pipeline.config import compose_recipe
+
+    src = tmp_path_factory.mktemp("tiny-replica-src")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(src)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(embedded_artifact / name, src / name)
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-replicas"
+    build(compose_recipe([f"model.source={src}", "artifact.name=tiny", f"output_dir={out}", f"cache_dir={cache_dir}",
+                          "tune.enabled=false"]))
+    return out
+
+
+def _status(url: str) -> dict:
+    return httpx.get(f"{url}/router/status", timeout=5).json()
+
+
+def _wait(cond, timeout: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            if cond():
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"not within {timeout}s")
+
+
+async def _load(url: str, n: int, tokens: int, during=None) -> list[dict]:
+    """``n`` requests at once, half streamed (each kind on both replicas); ``during()`` runs once the first stream has its first token."""
+    first = asyncio.Event()
+
+    async def one(c: httpx.AsyncClient, i: int) -> dict:
+        body = {"prompt": f"request {i} " * 20, "max_tokens": tokens, "ignore_eos": True, "stream": i % 4 < 2}
+        t0 = time.monotonic()
+        try:
+            if body["stream"]:
+                got, err = 0, None
+                async with c.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            d = json.loads(line[6:])
+                            err = d.get("error", err)
+                            got += "choices" in d
+                            first.set()
+                return {"stream": True, "status": r.status_code, "tokens": got, "error": err,
+                        "seconds": time.monotonic() - t0}
+            r = await c.post(f"{url}/v1/completions", json=body)
+            return {"stream": False, "status": r.status_code, "error": r.json().get("error"),
+                    "retry_after": r.headers.get("retry-after"), "seconds": time.monotonic() - t0}
+        except httpx.HTTPError as e:
+            return {"stream": body["stream"], "status": None, "error": repr(e), "seconds": time.monotonic() - t0}
+
+    async with httpx.AsyncClient(timeout=60) as c:
+        tasks = [asyncio.create_task(one(c, i)) for i in range(n)]
+        if during is not None:
+            await asyncio.wait_for(first.wait(), 30)
+            await asyncio.to_thread(during)
+        return await asyncio.gather(*tasks)
+
+
+def test_sigkill_under_load_then_rolling_upgrade(tiny_artifact, tmp_path):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    link = tmp_path / "current"
+    link.symlink_to(tiny_artifact)
+    exe = os.path.join(os.path.dirname(sys.executable), "infer-replicas")
+    log = open(tmp_path / "replicas.log", "wb")
+    proc = subprocess.Popen([exe, str(link), "--replicas", "2", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+                             "--grace-period", "20", "--kernels", "torch", "--kv-cache-memory", "16M",
+                             "--max-model-len", "512"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200 and
+              all(b["healthy"] for b in _status(url)["replicas"]), 120)
+        pids = {}
+
+        def kill_one():
+            out = subprocess.run(["pgrep", "-f", "--", f"--port {port + 1} "], capture_output=True, text=True).stdout.split()
+            pids["killed"] = int(out[0])
+            pids["at"] = time.monotonic()
+            os.kill(pids["killed"], signal.SIGKILL)
+
+        results = asyncio.run(_load(url, 8, 300, during=kill_one))
+        ended = time.monotonic() - pids["at"]
+        print("after SIGKILL:", [(r["stream"], r["status"], r.get("tokens"), (r["error"] or {}).get("code")
+                                  if isinstance(r["error"], dict) else r["error"]) for r in results])
+        assert ended < 30  # every request ended within 30 s of the kill
+        for r in results:
+            assert r["status"] is not None, r  # none was left hanging or cut without a reply
+            if r["error"] is not None:  # a retriable failure: a stream's SSE error event, or a 503 to retry
+                assert (r["stream"] and r["error"]["code"] == "replica_failed") or \
+                       (r["status"] == 503 and r["retry_after"]), r
+        assert any(r["error"] is None for r in results)
+        back = _wait(lambda: all(b["healthy"] for b in _status(url)["replicas"]), 60)
+        print(f"back to 2 replicas {back + ended:.1f}s after the kill")
+
+        def upgrade():
+            proc.send_signal(signal.SIGHUP)
+
+        before = {b["url"]: b for b in _status(url)["replicas"]}
+        rolled = asyncio.run(_load(url, 8, 150, during=upgrade))
+        assert all(r["status"] == 200 and r["error"] is None for r in rolled), rolled  # no failed request
+        _wait(lambda: "upgrade done" in (tmp_path / "replicas.log").read_text(), 90)
+        after = _status(url)["replicas"]
+        assert all(b["healthy"] for b in after) and all(b["sent"] > before[b["url"]]["sent"] for b in after)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(40)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        print((tmp_path / "replicas.log").read_text()[-3000:])
+
+
+def test_fields_a_router_adds_at_their_defaults_are_accepted():
+    """vllm-router and SGLang's router add these to every body they forward (measured); other values stay refused."""
+    from infer.runtime.serving.protocol import APIError, ModelInfo, parse_completion
+
+    info = ModelInfo("m", "1", 64, 100, tokenizer=None)
+    assert parse_completion({"prompt": [5], "no_stop_trim": False, "return_hidden_states": False}, info).prompts == [[5]]
+    with pytest.raises(APIError, match="no_stop_trim"):
+        parse_completion({"prompt": [5], "no_stop_trim": True}, info)
