@@ -16,7 +16,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import REPO, run_cli
-from infer.kernels import step_layers
+from infer.kernels import isa, step_layers
 from infer.pipeline.build import build
 from infer.pipeline.config import compose_recipe
 from infer.runtime import LLM, SamplingParams
@@ -52,10 +52,17 @@ def _config(case: str) -> transformers.PretrainedConfig:
                                        eos_token_id=2, pad_token_id=0, rope_parameters={
             "rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.1 * i for i in range(half)], "long_factor": [1.0 + 2.0 * i for i in range(half)]})
+    if case == "phi4-partial":  # Phi-4-mini's shape: rotary over part of each head (here half), longrope on it
+        quarter = 16 // 4
+        return transformers.Phi3Config(**COMMON, original_max_position_embeddings=ORIGINAL, bos_token_id=1,
+                                       eos_token_id=2, pad_token_id=0, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "short_factor": [1.0 + 0.1 * i for i in range(quarter)],
+            "long_factor": [1.0 + 2.0 * i for i in range(quarter)]})
     raise ValueError(case)
 
 
-CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope"]
+CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope", "phi4-partial"]
 
 
 def _tokenizer(path: Path) -> None:
@@ -126,12 +133,12 @@ def test_family_builds_and_matches_transformers(tmp_path, case):
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-FUSED = step_layers.load()
+HAS_STEP = isa.at_least("avx2")
 
 
-@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: no C++ step to check")
-@pytest.mark.parametrize("case,fused", [("qwen2-yarn", True), ("llama3", True), ("qwen3", False),
-                                        ("llama-bias-dynamic", False)])
+@pytest.mark.skipif(not HAS_STEP, reason="this CPU has no AVX2 + FMA: no C++ step to check")
+@pytest.mark.parametrize("case,fused", [("qwen2-yarn", True), ("llama3", True), ("phi4-partial", True),
+                                        ("qwen3", False), ("llama-bias-dynamic", False)])
 def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case, fused):
     """The C++ step rotates with the model's own tables (YaRN's attention scaling and llama3's frequencies
     included): its tokens equal the Python loop's and its logprobs agree to bfloat16 step noise, while the
@@ -142,6 +149,7 @@ def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case,
     at some context lengths with default rope too (a plain Llama, measured), so that is not the tables."""
     from infer.runtime.model.llama import RotaryEmbedding
 
+    assert step_layers.load() is not None, "the C++ step failed to build on a CPU that has AVX2 + FMA"
     _checkpoint(tmp_path / "src", case, init=0.2)  # weights large enough that attention moves the logits
     artifact = _build(tmp_path, tmp_path / "src", "bfloat16")
     # no prefix caching: the second run would start from the first's cached blocks, another path
@@ -167,24 +175,33 @@ def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case,
     print("fused - loop", (got - want).abs().max().item())
     assert (got - want).abs().max() < 1e-3, (got - want).abs().max()
     cfg = model.config
-    step.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)  # unscaled
+    step.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                  rotary_dim=cfg.rotary_dims)  # unscaled
     _, wrong = logprobs(step)
     print("unscaled - loop", (wrong - want).abs().max().item())
     assert (wrong - want).abs().max() > 1e-2, "the C++ step did not use the tables it was given"
 
 
 def test_rope_scaling_matches_transformers_tables():
-    """cos/sin (attention scaling folded in) for every rope type against transformers' rotary module."""
+    """cos/sin (attention scaling folded in) for every rope type against transformers' rotary module; with a
+    partial rotary, the turned pairs' columns match and the passed dims' pairs are cos 1, sin 0."""
     from infer.runtime.model.llama import RotaryEmbedding
 
     for case in CASES:
         hf_cfg = _config(case)
-        ours = RotaryEmbedding.for_config(ModelConfig.from_hf(hf_cfg.to_dict()))
+        cfg = ModelConfig.from_hf(hf_cfg.to_dict())
+        ours = RotaryEmbedding.for_config(cfg)
         rotary = transformers.AutoModelForCausalLM.from_config(hf_cfg).model.rotary_emb
         positions = torch.arange(CONTEXT)[None]
         cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions)
-        assert torch.allclose(ours.cos, cos[0], atol=1e-6, rtol=1e-6), case
-        assert torch.allclose(ours.sin, sin[0], atol=1e-6, rtol=1e-6), case
+        half, r = cfg.head_dim // 2, cfg.rotary_dims // 2
+        turned = torch.cat([torch.arange(r), torch.arange(half, half + r)])
+        assert cos.shape[-1] == 2 * r and (r < half) == (case == "phi4-partial"), case
+        assert torch.allclose(ours.cos[:, turned], cos[0], atol=1e-6, rtol=1e-6), case
+        assert torch.allclose(ours.sin[:, turned], sin[0], atol=1e-6, rtol=1e-6), case
+        passed = torch.ones(cfg.head_dim, dtype=torch.bool)
+        passed[turned] = False
+        assert (ours.cos[:, passed] == 1).all() and (ours.sin[:, passed] == 0).all(), case
 
 
 @pytest.mark.parametrize("key,value,match", [

@@ -44,6 +44,9 @@ class Family:
     # the key that switches sliding_window on (Qwen's use_sliding_window); None: sliding_window alone
     window_flag: str | None = None
     packed_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
+    # partial_rotary_factor below 1 (rotary over the first part of each head, Phi-4-mini): transformers' modeling
+    # code rotates only that part for these families
+    partial_rotary: bool = False
     rope_types: tuple[str, ...] = tuple(ROPE_TYPES)
     rope_aliases: dict = field(default_factory=dict)  # older names transformers maps for this family
 
@@ -53,7 +56,7 @@ FAMILIES = {f.model_type: f for f in (
     Family("qwen2", "Qwen2, Qwen2.5 (YaRN for long context)", attention_bias="qkv", window_flag="use_sliding_window"),
     Family("qwen3", "Qwen3 (dense)", attention_bias="attention_bias", qk_norm=True, window_flag="use_sliding_window"),
     Family("mistral", "Mistral 7B v0.2/v0.3, Mistral Nemo", attention_bias="none"),
-    Family("phi3", "Phi-3, Phi-3.5 mini", attention_bias="none", packed_checkpoint=True,
+    Family("phi3", "Phi-3, Phi-3.5 mini, Phi-4-mini", attention_bias="none", packed_checkpoint=True, partial_rotary=True,
            rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"}),
 )}
 
@@ -76,6 +79,11 @@ def rope_parameters(cfg: dict) -> dict:
     rope["rope_type"] = family.rope_aliases.get(kind, kind) if family else kind
     rope.pop("type", None)
     return rope
+
+
+def partial_rotary_factor(cfg: dict) -> float:
+    """The share of each head the rotary embedding turns (rope_parameters, else the top-level key)."""
+    return float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
 
 
 def sliding_window(cfg: dict) -> int | None:
@@ -108,9 +116,12 @@ def check_config(cfg: dict) -> Family:
     if missing:
         raise UnsupportedConfig(f"config.json rope_parameters (rope_type {kind}) lacks {', '.join(missing)}; "
                                 f"rope_type {kind} reads {', '.join(ROPE_TYPES[kind])}")
-    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise _refuse("partial_rotary_factor", partial, "1.0 (rotary over the whole head)")
+    partial = partial_rotary_factor(cfg)
+    if partial != 1.0 and not family.partial_rotary:
+        raise _refuse("partial_rotary_factor", partial, f"1.0 (rotary over the whole head) for model_type {model_type}; "
+                      f"below 1.0 for {', '.join(f.model_type for f in FAMILIES.values() if f.partial_rotary)}")
+    if not 0.0 < partial <= 1.0:
+        raise _refuse("partial_rotary_factor", partial, "a fraction in (0, 1]")
     window, context = sliding_window(cfg), cfg.get("max_position_embeddings", 2048)
     if window is not None and window < context:
         raise _refuse("sliding_window", window, f"null, or at least max_position_embeddings ({context})",
@@ -129,10 +140,13 @@ def markdown_table() -> str:
                                                                        f.rope_aliases.items())
         biases = bias[f.attention_bias] + ("; gate/up/down per `mlp_bias`" if f.mlp_bias else "")
         window = (f"off unless `{f.window_flag}`; " if f.window_flag else "") + "null or >= max_position_embeddings"
+        if f.partial_rotary:
+            types += "; `partial_rotary_factor`"
         rows.append(f"| `{f.model_type}` | {f.examples} | {types} | {'yes' if f.qk_norm else 'no'} | {biases} "
                     f"| `head_dim` or hidden/heads | tied or untied | {window} |")
     notes = (
-        f"Every family: `hidden_act` {', '.join(HIDDEN_ACTS)}; `partial_rotary_factor` 1.0; `rope_theta` stated. "
+        f"Every family: `hidden_act` {', '.join(HIDDEN_ACTS)}; `partial_rotary_factor` 1.0 unless its rope_type "
+        "cell says otherwise; `rope_theta` stated. "
         "Keys each `rope_type` reads: " + "; ".join(
             f"`{t}`: " + (", ".join(f"`{k}`" for k in keys) if keys else "none") for t, keys in ROPE_TYPES.items())
         + ". `dynamic` equals `default` within max_position_embeddings, which the engine never serves past; "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import FAMILIES, ROPE_TYPES, check_config, rope_parameters
+from .families import FAMILIES, ROPE_TYPES, check_config, partial_rotary_factor, rope_parameters
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -53,6 +53,11 @@ class ModelConfig:
     packed_checkpoint: bool = False  # the checkpoint stores qkv_proj / gate_up_proj fused already
     # rope_parameters when not default rope: rope_type and the keys families.ROPE_TYPES lists for it
     rope_scaling: dict | None = field(default=None, hash=False)
+    rotary_dim: int | None = None  # the leading dims of each head the rotary turns (partial rotary); None: all
+
+    @property
+    def rotary_dims(self) -> int:
+        return self.rotary_dim or self.head_dim
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -74,6 +79,10 @@ class ModelConfig:
             original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
             scaling["original_max_position_embeddings"] = original or max_pos
         bias = cfg.get("attention_bias", False)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rotary_dim = int(head_dim * partial_rotary_factor(cfg))
+        if rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor turns {rotary_dim} of a head's {head_dim} dims: must be even")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -82,7 +91,7 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=max_pos,
@@ -95,6 +104,7 @@ class ModelConfig:
             qk_norm=family.qk_norm,
             packed_checkpoint=family.packed_checkpoint,
             rope_scaling=scaling,
+            rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         )
 
     @classmethod
@@ -126,9 +136,9 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
-    """The rotary embedding's inverse frequencies [head_dim / 2] and the factor its cos/sin are scaled by,
+    """The rotary embedding's inverse frequencies [rotary dims / 2] and the factor its cos/sin are scaled by,
     computed as transformers' modeling_rope_utils does for each rope_type (float32 throughout)."""
-    d, base, r = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or {"rope_type": "default"}
+    d, base, r = cfg.rotary_dims, cfg.rope_theta, cfg.rope_scaling or {"rope_type": "default"}
     exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
     inv_freq = 1.0 / (base ** exponents)
     kind, original = r["rope_type"], r.get("original_max_position_embeddings")
@@ -180,25 +190,57 @@ def rope_inv_freq(cfg: ModelConfig) -> tuple[torch.Tensor, float]:
     raise ValueError(f"rope_type {kind!r}: no rule here; families.ROPE_TYPES and rope_inv_freq disagree")
 
 
+def rotary_head_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Where each dim of a head goes so that a partial rotary becomes a whole-head one.
+
+    transformers turns dims (i, i + r/2) for i < r/2 and passes dims r.. through; every rotary kernel here
+    turns (i, i + head_dim/2). Storing q and k with their dims in this order (the q/k rows of qkv_proj
+    permuted at load, runtime/model/loader.py) puts each turned pair where the kernels turn it and the passed
+    dims on pairs whose table entries are cos 1, sin 0, which leave them bit for bit. q.k is the same sum in
+    another order, so attention is unchanged, and v (and the output) keep their order.
+    Returns ``order``: the stored head's dim j holds the checkpoint's dim order[j]."""
+    half, r = head_dim // 2, rotary_dim // 2
+    passed = torch.arange(rotary_dim, head_dim)
+    return torch.cat([torch.arange(r), passed[:half - r], torch.arange(r, rotary_dim), passed[half - r:]])
+
+
+def qkv_row_order(cfg: ModelConfig) -> torch.Tensor | None:
+    """The rows of the fused qkv projection in stored order (rotary_head_order within each q and k head,
+    v as is), or None where the rotary turns whole heads."""
+    if cfg.rotary_dims == cfg.head_dim:
+        return None
+    d, heads = cfg.head_dim, cfg.num_heads + cfg.num_kv_heads
+    head = rotary_head_order(d, cfg.rotary_dims)
+    rows = (torch.arange(heads)[:, None] * d + head[None, :]).reshape(-1)
+    return torch.cat([rows, torch.arange(heads * d, (heads + cfg.num_kv_heads) * d)])
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates q and k in place by their absolute positions (cos/sin tables for every position)."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int, inv_freq: torch.Tensor | None = None,
-                 scale: float = 1.0):
+                 scale: float = 1.0, rotary_dim: int | None = None):
         """``inv_freq`` and ``scale``: rope_inv_freq's, for scaled rope types (else default rope of ``theta``);
-        the scale is folded into the tables, so every rotary kernel applies it."""
+        the scale is folded into the tables, so every rotary kernel applies it. ``rotary_dim`` below
+        ``head_dim``: a partial rotary, its q/k dims stored in rotary_head_order's order."""
         super().__init__()
+        rotary_dim = rotary_dim or head_dim
         if inv_freq is None:
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scale, persistent=False)
-        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        cos, sin = freqs.cos() * scale, freqs.sin() * scale
+        if rotary_dim < head_dim:  # the passed dims' pairs: turned by nothing
+            still = head_dim // 2 - rotary_dim // 2
+            cos = torch.cat([cos, torch.ones(max_positions, still)], dim=-1)
+            sin = torch.cat([sin, torch.zeros(max_positions, still)], dim=-1)
+        self.register_buffer("cos", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat((sin, sin), dim=-1), persistent=False)
         self.ops = None
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
-        return cls(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, *rope_inv_freq(cfg))
+        return cls(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, *rope_inv_freq(cfg),
+                   rotary_dim=cfg.rotary_dims)
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """What one forward pass needs to rotate: per-token cos/sin for the torch path."""

@@ -8,6 +8,7 @@ other tensor (embeddings, norms) keeps its HF name without the ``model.`` prefix
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -17,7 +18,7 @@ from safetensors import safe_open
 
 from ..artifact import INDEX, ArtifactError, inside
 from .compressed_tensors import QuantWeight, is_quantized_config, read_quantized
-from .llama import ModelConfig, RotaryEmbedding, Transformer, linear_layout
+from .llama import ModelConfig, RotaryEmbedding, Transformer, linear_layout, qkv_row_order, rotary_head_order
 
 log = logging.getLogger("infer.model")
 
@@ -96,6 +97,29 @@ def fuse_hf_state_dict(hf: dict[str, torch.Tensor], cfg: ModelConfig,
     return out
 
 
+def store_partial_rotary(state: dict[str, torch.Tensor], quantized: dict[str, QuantWeight], cfg: ModelConfig) -> None:
+    """A partial rotary's q/k dims put where the whole-head rotary kernels turn them (llama.rotary_head_order):
+    the qkv projection's rows (weight, bias, or a quantized weight's values, scales and zero points, whose
+    groups run along the input) and the q/k norms' weights, in place."""
+    rows = qkv_row_order(cfg)
+    if rows is None:
+        return
+    head = rotary_head_order(cfg.head_dim, cfg.rotary_dims)
+    for i in range(cfg.num_layers):
+        name = f"layers.{i}.self_attn.qkv_proj"
+        for key in (name + ".weight", name + ".bias"):
+            if key in state:
+                state[key] = state[key][rows]
+        if name in quantized:
+            w = quantized[name]
+            quantized[name] = dataclasses.replace(w, q=w.q[rows], scale=w.scale[rows],
+                                                  zero=None if w.zero is None else w.zero[rows])
+        for norm in ("q_norm", "k_norm"):
+            key = f"layers.{i}.self_attn.{norm}.weight"
+            if key in state:
+                state[key] = state[key][head]
+
+
 def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
     """The checkpoint's float dtype, except that an int4 weight-only (W4A16) checkpoint stored in
     float32 runs in bfloat16: "A16" says 16-bit activations, the int4 kernel computes in bfloat16
@@ -133,6 +157,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
                              f"supported: compressed-tensors")
         quantized = take_quantized(hf, hf_config["quantization_config"], cfg)
     state = fuse_hf_state_dict(hf, cfg, set(quantized))
+    store_partial_rotary(state, quantized, cfg)
     dtype = dtype or _compute_dtype(state["embed_tokens.weight"].dtype, quantized)
     if isinstance(kernels, str):
         from infer.kernels.resolver import resolve
