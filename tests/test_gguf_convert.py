@@ -128,12 +128,17 @@ def test_not_a_gguf_file(tmp_path):
 
 
 def _write_tiny_gguf(path, arch):
-    """A small random-weight byte-level model: exercises qwen2 (biases, untied lm_head, no q/k permutation)."""
+    """A small random-weight byte-level model, untied lm_head, no q/k permutation: qwen2 (biases) or qwen3
+    (per-head q/k norms, a head_dim apart from hidden / heads)."""
     rng = np.random.default_rng(0)
     tokens = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
     tokens += ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab, hidden, ffn, kv = len(tokens), 64, 96, 32
+    head_dim = 32 if arch == "qwen3" else 16
+    vocab, hidden, ffn, q, kv = len(tokens), 64, 96, 4 * head_dim, 2 * head_dim
     writer = GGUFWriter(path, arch)
+    if arch == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_block_count(2)
     writer.add_context_length(128)
     writer.add_embedding_length(hidden)
@@ -160,10 +165,14 @@ def _write_tiny_gguf(path, arch):
     for i in range(2):
         add(f"blk.{i}.attn_norm.weight", hidden)
         add(f"blk.{i}.ffn_norm.weight", hidden)
-        for name, rows in [("attn_q", hidden), ("attn_k", kv), ("attn_v", kv)]:
+        for name, rows in [("attn_q", q), ("attn_k", kv), ("attn_v", kv)]:
             add(f"blk.{i}.{name}.weight", rows, hidden)
-            add(f"blk.{i}.{name}.bias", rows)
-        add(f"blk.{i}.attn_output.weight", hidden, hidden)
+            if arch == "qwen2":
+                add(f"blk.{i}.{name}.bias", rows)
+        if arch == "qwen3":
+            add(f"blk.{i}.attn_q_norm.weight", head_dim)
+            add(f"blk.{i}.attn_k_norm.weight", head_dim)
+        add(f"blk.{i}.attn_output.weight", hidden, q)
         add(f"blk.{i}.ffn_gate.weight", ffn, hidden)
         add(f"blk.{i}.ffn_up.weight", ffn, hidden)
         add(f"blk.{i}.ffn_down.weight", hidden, ffn)
@@ -173,23 +182,36 @@ def _write_tiny_gguf(path, arch):
     writer.close()
 
 
-def test_qwen2_matches_transformers_gguf_loading(tmp_path):
-    _write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2")
+@pytest.mark.parametrize("arch,cls,special", [("qwen2", "Qwen2ForCausalLM", "model.layers.1.self_attn.k_proj.bias"),
+                                               ("qwen3", "Qwen3ForCausalLM", "model.layers.1.self_attn.k_norm.weight")])
+def test_qwen_matches_transformers_gguf_loading(tmp_path, arch, cls, special):
+    _write_tiny_gguf(tmp_path / "tiny.gguf", arch)
     out = tmp_path / "out"
     out.mkdir()
     convert_gguf(tmp_path / "tiny.gguf", out, dtype=torch.bfloat16)
 
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen2" and config["architectures"] == ["Qwen2ForCausalLM"]
+    assert config["model_type"] == arch and config["architectures"] == [cls]
     assert config["tie_word_embeddings"] is False and config["dtype"] == "bfloat16"
     reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf", dtype=torch.float32)
     ours = load_file(out / "model.safetensors")
-    assert "lm_head.weight" in ours and "model.layers.1.self_attn.k_proj.bias" in ours
+    assert "lm_head.weight" in ours and special in ours
     theirs = reference.state_dict()
     assert set(ours) == set(theirs)
     for name, tensor in ours.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, theirs[name].to(torch.bfloat16)), name
+    # and the runtime computes what transformers computes from the converted checkpoint (float32 both; the
+    # config is ours: transformers' GGUF loader ignores attention.key_length, so it cannot run a qwen3 file
+    # whose head_dim is not hidden / heads, as Qwen3-0.6B's is not)
+    from infer.runtime.model import load_model
+
+    ids = torch.randint(0, config["vocab_size"], (1, 24))
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    with torch.no_grad():
+        want = reference(ids).logits
+    got = load_model(out, dtype=torch.float32, kernels="torch").logits(ids)
+    assert (got - want).abs().max() < 1e-4 * max(1.0, want.abs().max().item()), (got - want).abs().max()
 
     reference_tokenizer = AutoTokenizer.from_pretrained(tmp_path, gguf_file="tiny.gguf")
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -204,5 +226,5 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'gpt2'.*llama, qwen2"):
+    with pytest.raises(ValueError, match="'gpt2'.*llama, qwen2, qwen3"):
         convert_gguf(path, tmp_path)
