@@ -14,6 +14,7 @@ from functools import lru_cache
 
 from . import isa
 from .extension import AMX_ISA, build, cpu_has_amx
+from .int8_linear import vnni_flags  # W8A8 on vpdpbusd where the avx512 class's CPU has VNNI
 
 
 @lru_cache(maxsize=1)
@@ -23,5 +24,5 @@ def load() -> object | None:
     # layer ops' flags: they round exactly where torch rounds (the attention parts set their own, as built alone);
     # AMX's where the CPU has it, for the AMX linears (used only where the resolver put the model's linears on them)
     amx = AMX_ISA if cpu_has_amx() else []
-    module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off", *amx])
+    module = build("infer_step_layers", "step_layers.cpp", ["-fopenmp", "-ffp-contract=off", *amx, *vnni_flags()])
     return module if module is not None and module.available() else None

@@ -137,3 +137,71 @@ def test_int8_linears_refuse_what_they_were_not_packed_for():
             call()
     with pytest.raises(ValueError, match="K must be a multiple of 4"):
         int8_linear.pack_w8a8(torch.zeros(8, 102, dtype=torch.int8), torch.ones(8))
+
+
+def _unpack_blocks(linear) -> torch.Tensor:
+    """A column-block PackedLinear's [N, K] bfloat16 weight (kernels/bf16_linear.py's pack, undone)."""
+    p = linear.packed_weight
+    return p.permute(0, 2, 1, 3).reshape(p.shape[0] * p.shape[2], -1)[:linear.out_features].float()
+
+
+def _quantized(weight: torch.Tensor, kind: str):
+    """Round-to-nearest QuantWeight of a float [N, K] weight: W8A16, W8A8 (dynamic per token) or W4A16 g64."""
+    from infer.runtime.model.compressed_tensors import Args, QuantWeight
+
+    if kind == "w4a16":
+        n, k = weight.shape
+        scale = weight.view(n, k // 64, 64).abs().amax(-1) / 7
+        q = torch.round(weight.view(n, k // 64, 64) / scale[..., None]).clamp(-8, 7).to(torch.int8).view(n, k)
+        return QuantWeight(Args(4, "int", "group", True, 64), None, q, scale)
+    scale = weight.abs().amax(1, keepdim=True) / 127
+    q = torch.round(weight / scale).clamp(-128, 127).to(torch.int8)
+    inputs = Args(8, "int", "token", dynamic=True) if kind == "w8a8" else None
+    return QuantWeight(Args(8, "int", "channel"), inputs, q, scale)
+
+
+@needs_kernel
+def test_a_mixed_model_steps_in_one_call_with_the_python_loops_bits(embedded_artifact):
+    """bfloat16, W8A16, W8A8 and W4A16 linears side by side (as quant.auto builds them), layer by layer in
+    turn: the model stays in the one-call C++ step (kernels/csrc/step_layers.cpp dispatches each linear on
+    its packed weight), which gives the Python layer loop's tokens and logprobs bit for bit."""
+    import random
+
+    from infer.runtime import LLM, SamplingParams
+    from infer.runtime.model.fused_step import FusedStep
+    from infer.runtime.model.quant_linear import make_linear, quantized_modules
+
+    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", amx=False,
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    if model.fused_step is None:
+        pytest.skip("no fused step for the bfloat16 model on this host (test_fused_step covers why)")
+    kinds = ("w8a16", "w8a8", "w4a16", None)
+    for i, layer in enumerate(model.layers[:4]):  # every kind in every slot; the other layers stay bfloat16
+        for j, (parent, attr) in enumerate(((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))):
+            kind = kinds[(i + j) % len(kinds)]
+            if kind is not None:
+                setattr(parent, attr, make_linear(_quantized(_unpack_blocks(getattr(parent, attr)), kind), None,
+                                                  torch.bfloat16))
+    assert set(quantized_modules(model).values()) == {"cpu-int8-blocks", "cpu-w8a8-blocks", "cpu-int4-blocks"}
+    assert FusedStep.declines(model) is None
+    fused = FusedStep(model, llm.engine.kernels)
+    steps = []
+
+    def counting(x, positions, ctx):
+        out = fused(x, positions, ctx)
+        if out is not None:
+            steps.append(ctx.decodes_only)
+        return out
+
+    model.fused_step = counting
+    prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0)
+    got = llm.generate(prompts, params)
+    model.fused_step = None
+    want = llm.generate(prompts, params)
+    assert sum(steps) >= 7, steps  # the decode steps went through the fused call
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]

@@ -1,5 +1,7 @@
 """A step's decoder layers in one C++ call (kernels/step_layers.py), for a bfloat16 model whose
-every decoder linear runs on AMX tiles, on the column-block kernel or on the int4 one (W4A16).
+every decoder linear runs on AMX tiles, on the column-block kernel, the int4 one (W4A16) or the int8 ones
+(W8A16, W8A8 with dynamic per-token activations), in any mix (quant.auto's mixed builds): each linear is
+dispatched on its own packed weight.
 
 ``Transformer.forward`` offers each step to it first. It takes the step when the engine's paged
 attention context runs it on the C++ kernels: decodes on the paged decode kernel, prompt chunks
@@ -35,6 +37,8 @@ class FusedStep:
         def slots(linear) -> list[torch.Tensor]:  # step_layers.cpp's LINEAR_SLOTS
             if getattr(linear, "backend", None) == "cpu-int4-blocks":
                 return [linear.packed, linear.scales, none if linear.offsets is None else linear.offsets]
+            if getattr(linear, "backend", None) in ("cpu-int8-blocks", "cpu-w8a8-blocks"):  # int8 codes: W8A16, W8A8
+                return [linear.packed, linear.scales, none if linear.colsums is None else linear.colsums]
             return [linear.packed_weight, none, none]
 
         self.weights = []  # kernels/csrc/step_layers.cpp's WEIGHTS_PER_LAYER, layer by layer
@@ -56,18 +60,20 @@ class FusedStep:
     def declines(model) -> str | None:
         """Why this model's layers do not run as one C++ call (None: they do). It needs every decoder layer
         to be this file's Llama block as kernels/csrc/step_layers.cpp computes it (no q/k norms, no o_proj
-        or MLP biases), with the fused layer ops and linears on AMX tiles, the column-block kernel (bfloat16)
-        or the int4 one in the column order of the checkpoint (a tensor-parallel model, another
-        quantization scheme or activation order is not). The rotary tables, scaled rope types' included,
+        or MLP biases), with the fused layer ops and linears on AMX tiles, the column-block kernel (bfloat16),
+        the int4 one in the column order of the checkpoint or the int8 ones, in any mix (a tensor-parallel
+        model, another quantization scheme or activation order is not). The rotary tables, scaled rope types' included,
         are the model's own (``model.rotary``), so those need nothing of the C++ step. The resolver keeps
         ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
         from .llama import Block
         from .packed_linear import PackedLinear
-        from .quant_linear import Int4BlocksLinear
+        from .quant_linear import Int4BlocksLinear, Int8BlocksLinear, W8A8BlocksLinear
 
         def fast(linear) -> bool:
             if type(linear) is Int4BlocksLinear:
                 return linear.perm is None
+            if type(linear) in (Int8BlocksLinear, W8A8BlocksLinear):
+                return True
             return type(linear) is PackedLinear and linear.kernel in ("blocks", "amx")
 
         if model.dtype != torch.bfloat16:
@@ -84,7 +90,8 @@ class FusedStep:
             return "MLP biases are not implemented in kernels/csrc/step_layers.cpp"
         if not all(fast(m) for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-            return "a linear is not on AMX tiles, the column-block or the int4 kernel (checkpoint column order)"
+            return ("a linear is not on AMX tiles, the column-block, the int4 (checkpoint column order) or the int8 "
+                    "kernels")
         return None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx):

@@ -13,7 +13,13 @@ CPU backends here, fastest first:
 - ``cpu-int4``: ``aten._weight_int4pack_mm_for_cpu`` (run in bfloat16) on weights packed once at load by
   ``_convert_weight_to_int4pack_for_cpu`` (int4, groups of 32..256; symmetric or asymmetric;
   activation order handled by permuting the weight's columns at load and the input at run time);
+- ``cpu-int8-blocks`` (bfloat16 models): kernels/csrc/int8_linear.cpp on every CPU class from AVX2 up: int8
+  per-channel symmetric weights (W8A16) packed once at load in column blocks, widened to float32 in
+  registers, float32 sums, bias in float32, bfloat16 output rounded once;
 - ``cpu-int8-weight``: ``aten._weight_int8pack_mm`` (int8 per-channel symmetric, 16-bit activations);
+- ``cpu-w8a8-blocks`` (bfloat16 models): the same source's W8A8 kernel: dynamic per-token int8 activations
+  quantized inside the call exactly as ``quantize_activations`` does, exact int32 sums (vpmaddwd, or
+  vpdpbusd with AVX-512 VNNI), then the same float32 scaling as ``cpu-w8a8``;
 - ``cpu-w8a8``: dynamic per-token int8 activations and ``torch._int_mm`` (int32 accumulation);
 - ``cpu-fp8``: per-token fp8 activations; fp8 codes multiplied widened to the compute dtype (exact
   widening; float32 sums in a float32 model), since this torch's CPU ``_scaled_mm`` is a slow
@@ -178,6 +184,61 @@ def _int4_blocks(w: QuantWeight, device: torch.device) -> bool:
             int4_linear.fits(w.out_features, w.in_features, w.scale.shape[1]) and int4_linear.load() is not None)
 
 
+class Int8BlocksLinear(QuantLinear):
+    """int8 per-channel weights packed once for kernels/csrc/int8_linear.cpp (any class from AVX2): W8A16 with
+    bfloat16 activations (``int8_linear``) or, where the scheme declares dynamic per-token int8 activations,
+    W8A8 (``w8a8_linear``, which quantizes each row itself). A decode step reads 8 bits a weight and one
+    float32 scale a column. The bias goes into the kernel, added in float32 before the one rounding (the
+    fused decode step too)."""
+    backend = "cpu-int8-blocks"
+
+    def __init__(self, w: QuantWeight, bias, dtype):
+        from infer.kernels import int8_linear
+
+        super().__init__(w, bias, dtype)
+        self.module = int8_linear.load()
+        self.w8a8 = w.inputs is not None
+        if self.w8a8:
+            packed, scales, colsums = int8_linear.pack_w8a8(w.q, w.scale)
+        else:
+            (packed, scales), colsums = int8_linear.pack_w8a16(w.q, w.scale), None
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("colsums", colsums, persistent=False)
+        self.register_buffer("bias_f32", None if self.bias is None else self.bias.detach().float().contiguous(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        if self.w8a8:
+            y = self.module.w8a8_linear(x2, self.packed, self.scales, self.colsums, self.out_features, self.bias_f32)
+        else:
+            y = self.module.int8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+class W8A8BlocksLinear(Int8BlocksLinear):
+    """Int8BlocksLinear for a W8A8 weight (dynamic per-token int8 activations): its own backend name."""
+    backend = "cpu-w8a8-blocks"
+
+
+def _int8_blocks(w: QuantWeight, device: torch.device, w8a8: bool) -> bool:
+    from infer.kernels import int8_linear
+
+    if not (_cpu(device) and w.weights.type == "int" and w.weights.num_bits == 8 and w.scale.shape[1] == 1 and
+            w.zero is None and w.g_idx is None):
+        return False
+    if w8a8:  # exactly what the kernel quantizes: dynamic, per token, symmetric int8 activations
+        a = w.inputs
+        if a is None or not (a.type == "int" and a.num_bits == 8 and a.dynamic and a.strategy == "token" and
+                             a.symmetric and w.input_scale is None and int8_linear.fits_w8a8(w.in_features)):
+            return False
+    elif w.inputs is not None:
+        return False
+    return int8_linear.load() is not None
+
+
 class Int8WeightLinear(QuantLinear):
     """int8 per-channel symmetric weights, 16/32-bit activations: ``aten._weight_int8pack_mm``."""
     backend = "cpu-int8-weight"
@@ -294,6 +355,7 @@ class _Backend:
     name: str
     cls: type
     test: object  # (QuantWeight, device) -> bool
+    dtypes: tuple | None = None  # the model dtypes it serves (None: any)
 
     def supports(self, w, device):
         return self.test(w, device)
@@ -332,6 +394,9 @@ BACKENDS: list = [
              w.weights.type == "int" and w.weights.num_bits == 4 and w.scale.shape[1] > 1 and
              w.group_size in (32, 64, 128, 256) and w.in_features % w.group_size == 0 and
              w.out_features % 16 == 0),  # the packing kernel's tile
+    # the int8 kernels take bfloat16 activations: a float32 model keeps torch's float32 paths below
+    _Backend("cpu-int8-blocks", Int8BlocksLinear, lambda w, d: _int8_blocks(w, d, False), (torch.bfloat16,)),
+    _Backend("cpu-w8a8-blocks", W8A8BlocksLinear, lambda w, d: _int8_blocks(w, d, True), (torch.bfloat16,)),
     _Backend("cpu-int8-weight", Int8WeightLinear, lambda w, d: _cpu(d) and _INT8 and w.inputs is None and
              w.weights.type == "int" and w.weights.num_bits == 8 and w.scale.shape[1] == 1 and w.zero is None),
     _Backend("cpu-w8a8", W8A8Linear, lambda w, d: _cpu(d) and w.inputs is not None and w.inputs.type == "int" and
@@ -378,11 +443,13 @@ def disabled_backends(*names: str):
 
 def make_linear(w: QuantWeight, bias: torch.Tensor | None, dtype: torch.dtype,
                 device: torch.device | str = "cpu", disable: tuple[str, ...] = ()) -> nn.Module:
-    """The first registered backend that supports ``w`` on ``device`` builds its module."""
+    """The first registered backend that supports ``w`` on ``device`` (and serves a model of ``dtype``, where
+    it names the dtypes it serves: ``dtypes``) builds its module."""
     off = set(disable) | _DISABLED | {n for n in os.environ.get("INFER_LINEAR_BACKENDS_DISABLE", "").split(",") if n}
     off.discard("dequant")  # the fallback that always works
     for b in BACKENDS:
-        if b.name not in off and b.supports(w, torch.device(device)):
+        if (b.name not in off and dtype in (getattr(b, "dtypes", None) or (dtype,))
+                and b.supports(w, torch.device(device))):
             return b.build(w, bias, dtype)
     raise ValueError(f"no linear backend supports {_describe(w)} on {device}")  # pragma: no cover
 
