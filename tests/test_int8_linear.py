@@ -19,6 +19,19 @@ def test_the_int8_kernels_are_built_on_every_class_from_avx2():
     assert (MODULE is not None) == isa.at_least("avx2")
 
 
+@needs_kernel
+def test_the_w8a8_kernel_never_uses_a_saturating_product():
+    """vpmaddubsw adds two u8 x s8 products in int16 with saturation: wrong at the code extremes."""
+    import subprocess
+
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", MODULE.__file__], capture_output=True, text=True,
+                             check=True).stdout
+    assert "vpmaddubsw" not in listing
+    assert ("vpdpbusd" in listing) == MODULE.has_vnni() and ("vpmaddwd" in listing or MODULE.has_vnni())
+    if isa.active() == "avx2":
+        assert "zmm" not in listing  # the class's own target: no AVX-512 instruction
+
+
 def _weight(n, k, gen):
     """Random int8 codes with both extremes in every row, and per-channel scales."""
     q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
