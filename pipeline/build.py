@@ -10,7 +10,7 @@ from pathlib import Path
 from infer.runtime.artifact import FORMAT_VERSION
 from infer.runtime.model.families import UnsupportedConfig, check_config
 
-from . import gate, tune
+from . import gate, kv_cache, tune
 from .config import BuildConfig, QuantMethod, to_plain
 from .merge import PER_RANK_KINDS, MergeError, merge
 from .package import build_environment, package, publish
@@ -161,6 +161,12 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
             stages.append(packaged)
     except tune.TuneError as e:
         raise BuildError(str(e)) from None
+    if kv_cache.wanted(cfg):  # the KV cache format, gated on long windows (manifest kv_cache)
+        try:
+            packaged = kv_cache.kv_stage(cfg, cache, packaged)
+        except kv_cache.KVCacheError as e:
+            raise BuildError(str(e)) from None
+        stages.append(packaged)
     final, evaluation = packaged, None
     if gate.wanted(cfg):  # gates before publish: a failure raises gate.GateFailed and nothing is published
         final, evaluation, extra = gate.run(cfg, cache, stages, packaged, recipe,

@@ -116,6 +116,17 @@ class EvalSpec(EvalSettings):
 
 
 @dataclass
+class KVCacheSpec:
+    # the KV cache format the artifact states (pipeline/kv_cache.py): bfloat16 (the model's own 16-bit cache,
+    # nothing measured) | int8 (gated: a failure is a build error) | auto (the narrowest format whose gates pass)
+    dtype: str = "bfloat16"
+    mean_kld_max: float = 0.002  # against the 16-bit cache, every position of the windows
+    top1_agreement_min: float = 0.98
+    window_tokens: int = 2048  # held-out windows (eval.data) this long: long contexts, where quantized keys tell
+    windows: int = 2
+
+
+@dataclass
 class ParallelSpec:
     tp: int = 1  # tensor-parallel ranks; > 1 adds the shard stage after quantize (pipeline/shard.py)
 
@@ -136,6 +147,7 @@ class BuildConfig:
     calib: CalibSpec = field(default_factory=CalibSpec)
     tune: TuneSpec = field(default_factory=TuneSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
+    kv_cache: KVCacheSpec = field(default_factory=KVCacheSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     artifact: ArtifactSpec = field(default_factory=ArtifactSpec)
 
@@ -214,6 +226,15 @@ def _check(c: BuildConfig) -> None:
             bad("calib.seq_len", c.calib.seq_len, "must be >= 16")
         if not 0.0 <= c.calib.chat_fraction <= 1.0:
             bad("calib.chat_fraction", c.calib.chat_fraction, "a share in [0, 1]: 0 raw text only, 1 chat only")
+    kv = c.kv_cache
+    if kv.dtype not in ("auto", "bfloat16", "int8"):
+        bad("kv_cache.dtype", kv.dtype, "valid choices: auto, bfloat16, int8")
+    if kv.window_tokens < 2048 or kv.windows < 1:
+        bad("kv_cache.window_tokens", kv.window_tokens, "windows of at least 2048 tokens (long contexts), at least one")
+    if kv.mean_kld_max < 0 or not 0.0 <= kv.top1_agreement_min <= 1.0:
+        bad("kv_cache.mean_kld_max", kv.mean_kld_max, "mean_kld_max >= 0 and top1_agreement_min a share in [0, 1]")
+    if kv.dtype != "bfloat16" and c.parallel.tp > 1:
+        bad("kv_cache.dtype", kv.dtype, "tensor-parallel runtimes allocate the model's own cache: use bfloat16")
     if any(b < 1 for b in c.tune.batch_buckets):
         bad("tune.batch_buckets", c.tune.batch_buckets, "batch sizes must be >= 1")
     if c.eval.seq_len < 2 or c.eval.stride < 1 or c.eval.stride > c.eval.seq_len:

@@ -3,6 +3,8 @@ references computed from the dequantized cache (kernels.cpu_attention.dequantize
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -82,3 +84,106 @@ def test_decode_refuses_a_cache_of_the_wrong_row_size():
     q, kc, vc, tables, lens = quantized_paged(2, 9, 3, 64)
     with pytest.raises(RuntimeError, match="head_dim \\+ 2"):
         cpu_attention.paged_decode_attention(q, kc[..., :65].contiguous(), vc[..., :65].contiguous(), tables, lens, 0.125)
+
+
+# ---------------------------------------------------------------- the engine on an int8 cache
+def test_kv_cache_dtype_follows_the_request_then_the_artifact_and_refuses_what_cannot_read_it():
+    from types import SimpleNamespace
+
+    from infer.runtime.engine.model_runner import kv_cache_dtype
+
+    cpp = SimpleNamespace(backend="cpp", decode_attention=cpu_attention.paged_decode_attention,
+                          store_kv=cpu_attention.store_kv_)
+    torch_ops = SimpleNamespace(backend="torch", decode_attention=None, store_kv=None)
+    bf16 = torch.bfloat16
+    assert kv_cache_dtype("auto", None, bf16, cpp) == bf16
+    assert kv_cache_dtype("auto", "int8", bf16, cpp) == torch.int8
+    assert kv_cache_dtype("bfloat16", "int8", bf16, cpp) == bf16
+    assert kv_cache_dtype("int8", "bfloat16", bf16, cpp) == torch.int8
+    assert kv_cache_dtype("auto", "int8", bf16, torch_ops) == bf16  # the artifact's choice, where it cannot run
+    with pytest.raises(ValueError, match="use kv_cache_dtype=bfloat16"):
+        kv_cache_dtype("int8", None, bf16, torch_ops)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        kv_cache_dtype("int8", None, bf16, cpp, tensor_parallel=2)
+    with pytest.raises(ValueError, match="choose one of"):
+        kv_cache_dtype("fp8", None, bf16, cpp)
+
+
+QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Name three primary colors.",
+             "How many legs does a spider have?"]
+
+
+def test_int8_cache_holds_194x_and_a_prefix_hit_gives_the_logits_of_a_miss(embedded_artifact):
+    from infer.runtime import LLM
+    from infer.runtime.engine.model_runner import kv_bytes_per_block
+    from infer.runtime.engine.sampling_params import SamplingParams
+
+    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_dtype="int8", kv_cache_memory=24 << 20,
+              max_num_batched_tokens=40, max_num_seqs=8)
+    engine = llm.engine
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in QUESTIONS]
+    assert engine.runner.kv_cache.dtype == torch.int8 and engine.runner.kv_cache.shape[-1] == 64 + 2
+    model = engine.model
+    ratio = kv_bytes_per_block(model, 16, torch.bfloat16) / kv_bytes_per_block(model, 16, torch.int8)
+    assert ratio == pytest.approx(128 / 66)  # 1.94x the tokens in the same memory
+    assert engine.num_blocks == (24 << 20) // kv_bytes_per_block(model, 16, torch.int8)
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+    miss = llm.generate(prompts[0], params)[0]
+    hits = engine.block_manager.prefix_hits
+    hit = llm.generate(prompts[0], params)[0]
+    assert engine.block_manager.prefix_hits > hits
+    assert hit.token_ids == miss.token_ids and hit.logprobs == miss.logprobs  # the same bits
+    # chunked prefill (40-token steps) and preemption (7 blocks: two sequences' prompts and one spare, and each
+    # grows by two blocks) change no token
+    small = LLM(embedded_artifact, dtype="bfloat16", kv_cache_dtype="int8", max_num_batched_tokens=40,
+                max_num_seqs=8, kv_cache_memory=7 * kv_bytes_per_block(model, 16, torch.int8),
+                enable_prefix_caching=False)
+    batch = prompts[:4] * 2
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = small.generate(batch, greedy)
+    assert small.engine.scheduler.num_preemptions > 0
+    alone = [llm.generate(p, greedy)[0] for p in prompts[:4]]
+    assert [o.token_ids for o in outs] == [a.token_ids for a in alone] * 2
+    assert "Paris" in llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=20))[0].text
+    assert small.engine.block_manager.num_free_blocks == small.engine.num_blocks
+
+
+# ---------------------------------------------------------------- the build's choice
+def test_recipe_kv_cache_keys_are_checked():
+    from infer.pipeline.config import RecipeError, validate
+
+    assert validate({"kv_cache": {"dtype": "auto"}}).kv_cache.window_tokens == 2048
+    with pytest.raises(RecipeError, match="kv_cache.dtype.*auto, bfloat16, int8"):
+        validate({"kv_cache": {"dtype": "fp8"}})
+    with pytest.raises(RecipeError, match="at least 2048 tokens"):
+        validate({"kv_cache": {"dtype": "auto", "window_tokens": 512}})
+
+
+def test_kv_stage_measures_int8_against_the_16bit_cache_and_states_the_choice(embedded_artifact, tmp_path):
+    # the stage on short windows (a recipe asks for >= 2048 tokens; the measurement is the same code)
+    from dataclasses import replace
+
+    from infer.pipeline import kv_cache
+    from infer.pipeline.config import BuildConfig, KVCacheSpec
+    from infer.pipeline.stage import StageResult
+    from infer.runtime.artifact import MANIFEST, Artifact
+
+    packaged = StageResult("package", "k" * 64, embedded_artifact, False, 0.0, {})
+    loose = replace(BuildConfig(), kv_cache=KVCacheSpec(dtype="auto", window_tokens=128, windows=1, mean_kld_max=1.0,
+                                                         top1_agreement_min=0.0))
+    def manifest(stage):
+        return Artifact(stage.path, json.loads((stage.path / MANIFEST).read_text()), {})
+
+    art = manifest(kv_cache.kv_stage(loose, tmp_path, packaged))
+    record = art.manifest["kv_cache"]
+    assert art.kv_cache_dtype == "int8" and record["requested"] == "auto"
+    row = record["candidates"][0]
+    assert row["dtype"] == "int8" and row["tokens"] == 128 and row["passed"]
+    assert 0 < row["mean_kld"] < 0.05 and row["top1_agreement"] > 0.85
+    assert record["capacity_x"] == pytest.approx(128 / 66, abs=1e-3)
+    strict = replace(loose, kv_cache=replace(loose.kv_cache, dtype="int8", mean_kld_max=0.0))
+    with pytest.raises(kv_cache.KVCacheError, match="use kv_cache.dtype=auto or bfloat16"):
+        kv_cache.kv_stage(strict, tmp_path, packaged)  # the same measurement (cached), a gate it fails
+    none_pass = replace(loose, kv_cache=replace(loose.kv_cache, mean_kld_max=0.0))
+    assert manifest(kv_cache.kv_stage(none_pass, tmp_path, packaged)).kv_cache_dtype == "bfloat16"
