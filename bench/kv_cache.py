@@ -1,0 +1,167 @@
+"""The int8 KV cache against the bfloat16 one, same run, interleaved rounds (../shared/notes/measuring.md).
+
+1. The decode attention kernel per call at 2k context (the embedded model's shape at one layer: 9 query
+   heads, 3 KV heads, head_dim 64, blocks of 16 scattered over a pool), batches 1 and 16; each output is
+   checked against a float64 reference (of the dequantized cache for int8), so a fast wrong kernel fails.
+2. A decode step of the engine at batch 16 over 2k-token contexts (ModelRunner.execute on a cache filled
+   with random values: what a step costs does not depend on them), both engines loaded side by side.
+3. Capacity: the blocks the same --kv-cache-memory holds.
+4. Optionally (--kld-windows N) the mean KLD of the int8 cache against the bfloat16 cache over N held-out
+   2048-token windows (pipeline/kv_cache.py's measurement, the build's gate).
+
+    flock -x /tmp/infer-cpu.lock python -m infer.bench.kv_cache ARTIFACT [--rounds 5] [--kld-windows 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .throughput import RESULTS, host_info, save_json
+
+HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
+
+
+def _median_call(fn, calls: int) -> float:
+    fn()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _reference(q, k, v, tables, lens):
+    out = []
+    for i in range(q.shape[0]):
+        keys = k[tables[i]].reshape(-1, KV_HEADS, D)[:lens[i]].double().transpose(0, 1)[None]
+        vals = v[tables[i]].reshape(-1, KV_HEADS, D)[:lens[i]].double().transpose(0, 1)[None]
+        o = torch.nn.functional.scaled_dot_product_attention(q[i].double()[None, :, None, :], keys, vals, enable_gqa=True)
+        out.append(o[0, :, 0, :])
+    return torch.stack(out)
+
+
+def kernel_rows(rounds: int, context: int, batches: tuple[int, ...], gen: torch.Generator) -> list[dict]:
+    from infer.kernels import cpu_attention
+
+    rows = []
+    for batch in batches:
+        per_seq = -(-context // BLOCK)
+        pool = batch * per_seq + 8
+        k16 = torch.randn(pool, BLOCK, KV_HEADS, D, generator=gen).bfloat16()
+        v16 = torch.randn(pool, BLOCK, KV_HEADS, D, generator=gen).bfloat16()
+        k8 = torch.zeros(pool, BLOCK, KV_HEADS, D + 2, dtype=torch.int8)
+        v8 = torch.zeros_like(k8)
+        cpu_attention.store_kv_(k8, v8, torch.arange(pool * BLOCK), k16.view(-1, KV_HEADS, D), v16.view(-1, KV_HEADS, D))
+        tables = torch.randperm(pool, generator=gen)[:batch * per_seq].view(batch, per_seq)
+        lens = torch.full((batch,), context)
+        q = torch.randn(batch, HEADS, D, generator=gen).bfloat16()
+        scale = D ** -0.5
+        caches = {"bfloat16": (k16, v16), "int8": (k8, v8)}
+        for name, (k, v) in caches.items():  # checked once, on the first sequence
+            got = cpu_attention.paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], scale)
+            kr, vr = (k, v) if name == "bfloat16" else (cpu_attention.dequantize(k), cpu_attention.dequantize(v))
+            err = (got.double() - _reference(q[:1], kr, vr, tables[:1], lens[:1])).abs().max().item()
+            if err > 2e-2:
+                raise SystemExit(f"{name} decode kernel off by {err} from float64: not timing a wrong kernel")
+        times = {name: [] for name in caches}
+        for _ in range(rounds):  # interleaved: each round times both
+            for name, (k, v) in caches.items():
+                times[name].append(_median_call(
+                    lambda: cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale), 20) * 1e6)
+        rows.append(_row(f"decode attention, batch {batch}, context {context}", "us/call", times))
+    return rows
+
+
+def _row(what: str, unit: str, times: dict) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"what": what, "unit": unit, **{f"{k}_median": round(m, 2) for k, m in med.items()},
+            **{f"{k}_spread": [round(min(v), 2), round(max(v), 2)] for k, v in times.items()},
+            "int8_speedup": round(med["bfloat16"] / med["int8"], 3)}
+
+
+def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.Generator) -> tuple[list[dict], dict]:
+    from infer.runtime import LLM
+    from infer.runtime.engine.model_runner import kv_bytes_per_block
+    from infer.runtime.engine.sampling_params import SamplingParams
+    from infer.runtime.engine.scheduler import ScheduledBatch
+    from infer.runtime.engine.sequence import Sequence
+
+    per_seq = -(-(context + 1) // BLOCK)
+    engines, kernels, block_bytes = {}, {}, {}
+    for name in ("bfloat16", "int8"):
+        probe = LLM(artifact, dtype="bfloat16", kv_cache_dtype=name, kv_cache_memory=64 << 20, max_num_seqs=1)
+        per_block = kv_bytes_per_block(probe.engine.model, BLOCK, probe.engine.runner.kv_cache.dtype)
+        probe.close()
+        del probe
+        block_bytes[name] = per_block
+        llm = LLM(artifact, dtype="bfloat16", kv_cache_dtype=name, kv_cache_memory=(batch * per_seq + 2) * per_block,
+                  max_num_seqs=batch, max_model_len=context + BLOCK)
+        cache = llm.engine.runner.kv_cache
+        if cache.dtype == torch.int8:
+            cache.copy_(torch.randint(-127, 128, cache.shape, dtype=torch.int8, generator=gen))
+            scale = torch.tensor([0.02], dtype=torch.bfloat16).view(torch.int8)  # a plausible scale on every row
+            cache[..., -2:] = scale
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=gen, dtype=torch.float32).to(cache.dtype))
+        engines[name] = llm
+        kernels[name] = llm.engine.kernels.describe(llm.engine.model.dtype)
+    vocab = engines["bfloat16"].engine.model.config.vocab_size
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(f"b{i}", torch.randint(3, vocab, (context + 1,), generator=gen).tolist(), SamplingParams())
+        seq.block_table = list(range(i * per_seq, (i + 1) * per_seq))
+        seq.num_computed_tokens = context
+        seqs.append(seq)
+    step = ScheduledBatch(seqs, [1] * batch, [])
+    times = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            times[name].append(_median_call(lambda: llm.engine.runner.execute(step), 5) * 1e3)
+    return [_row(f"decode step, batch {batch}, context {context}", "ms/step", times)], {"kernels": kernels,
+                                                                                       "block_bytes": block_bytes}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("artifact", type=Path)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--kld-windows", type=int, default=0, help="2048-token windows for the KLD (0: skip)")
+    p.add_argument("--json", type=Path, default=RESULTS / "kv_cache.json")
+    args = p.parse_args(argv)
+    seed = int(time.time())
+    print(f"seed {seed}; host {host_info().get('cpu')}; torch threads {torch.get_num_threads()}")
+    gen = torch.Generator().manual_seed(seed)
+    rows = kernel_rows(args.rounds, args.context, (1, args.batch), gen)
+    more, engine = step_rows(args.artifact, args.rounds, args.batch, args.context, gen)
+    rows += more
+    memory = 1 << 30
+    tokens = {name: memory // b * BLOCK for name, b in engine["block_bytes"].items()}
+    result = {"benchmark": "kv_cache", "seed": seed, "rows": rows, "kernels": engine["kernels"],
+              "capacity": {"kv_cache_memory": memory, "tokens": tokens,
+                           "int8_x": round(tokens["int8"] / tokens["bfloat16"], 3)}}
+    print(f"{'what':44} {'bfloat16':>10} {'int8':>10} {'int8 x':>7}  spread bf16 | int8")
+    for r in rows:
+        print(f"{r['what']:44} {r['bfloat16_median']:>10} {r['int8_median']:>10} {r['int8_speedup']:>7}  "
+              f"{r['bfloat16_spread']} | {r['int8_spread']}  {r['unit']}")
+    if args.kld_windows:
+        from infer.pipeline.kv_cache import compare_caches, eval_windows
+
+        windows = eval_windows(args.artifact, "pydoc_topics", 2048, args.kld_windows)
+        result["kld"] = compare_caches(args.artifact, windows)
+        print("int8 vs bfloat16 cache:", {k: result["kld"][k] for k in ("tokens", "mean_kld", "p99_kld", "top1_agreement")})
+    print(f"capacity at --kv-cache-memory 1G: {tokens} tokens ({result['capacity']['int8_x']}x)")
+    print("kernels:", engine["kernels"])
+    save_json(result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()
