@@ -209,3 +209,21 @@ def test_priority_is_parsed_and_bounded():
     assert parse_completion({"prompt": [5, 6]}, info).priority == 0
     with pytest.raises(APIError, match="priority"):
         parse_completion({"prompt": [5, 6], "priority": 1.5}, info)
+
+
+def test_a_running_long_prompt_yields_the_prompt_budget_to_a_less_served_tenant():
+    sched = Scheduler(BlockManager(4096, 8), max_num_seqs=8, max_num_batched_tokens=1024,
+                      fairness=Fairness(prompt_tokens_per_step=32))
+    longs = [seq(f"long{i}", 600, tenant="a") for i in range(2)]
+    for s in longs:
+        sched.add(s)
+    for _ in range(3):
+        run_step(sched)
+    short = seq("short", 40, max_tokens=2, tenant="b")
+    sched.add(short)
+    steps = 0
+    while not short.output_token_ids:
+        run_step(sched)
+        steps += 1
+    assert steps <= 4  # 40 prompt tokens at 32 a step, alternating with a: not after a's 600-token prompt
+    first_steps(sched, longs)  # and a's prompts still finish

@@ -95,15 +95,33 @@ class Scheduler:
     def _charge(self, seq: Sequence, n: int) -> None:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n / self.fairness.weights.get(seq.tenant, 1.0)
 
+    def _yield_to(self) -> tuple[int, float, str] | None:
+        """(priority, served, tenant) of the waiting request that would join next, when it could join now."""
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return None
+        running_by_tenant: dict[str, int] = {}
+        for s in self.running:
+            running_by_tenant[s.tenant] = running_by_tenant.get(s.tenant, 0) + 1
+        at = self._next_waiting(running_by_tenant)
+        if at is None:
+            return None
+        seq = self.waiting[at]
+        if not seq.block_table and self.bm.match_prefix(seq) is None:
+            return None  # it waits for a prefix being computed (perhaps by the prompt that would yield)
+        if not self.bm.can_allocate(seq, min(seq.num_uncomputed_tokens, self.fairness.prompt_tokens_per_step)):
+            return None  # no room for it now: yielding would only stall the running prompt
+        return seq.priority, self.served.get(seq.tenant, 0.0), seq.tenant
+
     def _next_waiting(self, running_by_tenant: dict[str, int]) -> int | None:
-        """Index in ``waiting`` of the one to join next: lowest priority value, then least-served tenant,
-        then its place in line; tenants at their ``max_running`` are passed over."""
+        """Index in ``waiting`` of the one to join next: lowest priority value, then least-served tenant
+        (on a tie, the one running fewer), then its place in line; tenants at their ``max_running`` are
+        passed over."""
         cap = self.fairness.max_running
         best, key = None, None
         for i, seq in enumerate(self.waiting):
             if seq.tenant in cap and running_by_tenant.get(seq.tenant, 0) >= cap[seq.tenant]:
                 continue
-            k = (seq.priority, self.served.get(seq.tenant, 0.0), i)
+            k = (seq.priority, self.served.get(seq.tenant, 0.0), running_by_tenant.get(seq.tenant, 0), i)
             if key is None or k < key:
                 best, key = i, k
         return best
@@ -141,15 +159,23 @@ class Scheduler:
         preempted: list[Sequence] = []
         prompt_tokens = 0  # tokens of the step that are not one decode each
         cap = self.fairness.prompt_tokens_per_step
+        # with a prompt budget, a running prompt of a tenant served as much as or more than another tenant's
+        # waiting one that could start now yields the budget to it (else one tenant's long prompts would hold it chunk after chunk)
+        yield_to = self._yield_to() if cap else None
 
-        # running sequences first: by priority, then oldest first
-        self.running.sort(key=lambda s: s.priority)
+        # running sequences first: by priority (with a prompt budget, then least-served tenant: who gets the
+        # budget's chunks), then oldest first
+        self.running.sort(key=(lambda s: (s.priority, self.served.get(s.tenant, 0.0))) if cap else
+                          (lambda s: s.priority))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             if cap and n > 1 and not seq.spec.draft and seq.num_computed_tokens < seq.num_prompt_tokens:
                 n = min(n, cap - prompt_tokens)  # a prompt chunk within the step's prompt budget
+                if (yield_to is not None and seq.tenant != yield_to[2]
+                        and (seq.priority, self.served.get(seq.tenant, 0.0)) >= yield_to[:2]):
+                    n = 0
                 if n <= 0:
                     i += 1  # its next chunk waits a step; decodes behind it still run
                     continue
