@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative} [options]
+USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,replicas,quant-speed} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
             requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s;
@@ -16,6 +16,10 @@ USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative}
             times (no server)
   speculative  batch-1 decode with n-gram speculation against without, on a grounded and a chat prompt
             set (no server)
+  quant-speed  batch-1 decode and 256-token prefill of quantized artifacts against bfloat16 (and llama.cpp
+            GGUFs), interleaved rounds, each against its own bandwidth floor (no server)
+  replicas  2 replicas behind the router: prefix-aware against round-robin on a multi-tenant workload
+            (hit rate, TTFT); one tenant's TTFT/TPOT while another floods, fair share against FCFS
 
 infer-bench COMMAND --help shows the options of each."""
 
@@ -30,13 +34,17 @@ def main(argv=None) -> None:
         from .serve import main as serve_main
 
         sys.exit(serve_main(rest))
-    if command in ("offline", "single", "tune", "structured", "speculative"):
+    if command in ("offline", "single", "tune", "structured", "speculative", "replicas", "quant-speed"):
         if command == "offline":
             from .throughput import main as bench_main
         elif command == "structured":
             from .structured import main as bench_main
+        elif command == "replicas":
+            from .replicas import main as bench_main
         elif command == "speculative":
             from .speculative import main as bench_main
+        elif command == "quant-speed":
+            from .quant_speed import main as bench_main
         elif command == "single":
             from .single import main as bench_main
         else:
