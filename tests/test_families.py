@@ -300,3 +300,26 @@ def test_older_config_spellings_read_alike():
     check_config(qwen)  # Qwen2.5's config.json: a window stated, switched off
     with pytest.raises(UnsupportedConfig, match=r"sliding_window=32 is not supported below max_position_embeddings"):
         check_config({**qwen, "use_sliding_window": True})
+
+
+def test_partial_rotary_reorders_a_quantized_qkv_as_a_float_one():
+    """A quantized qkv_proj (values, group scales, zero points) is stored in the same row order as the float
+    one, so a W4/W8 Phi-4-mini computes what its float model does (runtime/model/loader.store_partial_rotary)."""
+    from infer.runtime.model.compressed_tensors import Args, QuantWeight
+    from infer.runtime.model.loader import store_partial_rotary
+
+    cfg = ModelConfig.from_hf(_config("phi4-partial").to_dict())
+    assert cfg.rotary_dims == cfg.head_dim // 2
+    rows, k, groups = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, cfg.hidden_size, 4
+    g = torch.Generator().manual_seed(random.randrange(2**31))
+    q = torch.randint(0, 16, (rows, k), generator=g, dtype=torch.int8)
+    w = QuantWeight(Args(4, "int", "group", False, k // groups), None, q, torch.rand(rows, groups, generator=g),
+                    torch.randint(0, 16, (rows, groups), generator=g, dtype=torch.int8))
+    name = "layers.0.self_attn.qkv_proj"
+    state = {name + ".weight": w.dequantize(torch.float32), name + ".bias": torch.randn(rows, generator=g)}
+    quantized = {name: w}
+    bias = state[name + ".bias"].clone()
+    store_partial_rotary(state, quantized, cfg)
+    assert torch.equal(quantized[name].dequantize(torch.float32), state[name + ".weight"])
+    assert not torch.equal(state[name + ".weight"], w.dequantize(torch.float32))  # rows did move
+    assert torch.equal(state[name + ".bias"].sort().values, bias.sort().values)  # moved, none lost
