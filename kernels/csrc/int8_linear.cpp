@@ -115,6 +115,7 @@ inline vi vwords(int32_t w) { return _mm512_set1_epi32(w); }
 inline vi vadd32(vi a, vi b) { return _mm512_add_epi32(a, b); }
 inline vi vsub32(vi a, vi b) { return _mm512_sub_epi32(a, b); }
 inline vi vload_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline void vstore_i32(int32_t* p, vi v) { _mm512_storeu_si512(p, v); }
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline vi madd16(vi a, vi b) { return _mm512_madd_epi16(a, b); }
 inline vi even_pairs(vi w) { return _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8); }  // bytes 0, 2 as int16
@@ -138,6 +139,7 @@ inline vi vwords(int32_t w) { return _mm256_set1_epi32(w); }
 inline vi vadd32(vi a, vi b) { return _mm256_add_epi32(a, b); }
 inline vi vsub32(vi a, vi b) { return _mm256_sub_epi32(a, b); }
 inline vi vload_i32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void vstore_i32(int32_t* p, vi v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline vi madd16(vi a, vi b) { return _mm256_madd_epi16(a, b); }
 inline vi even_pairs(vi w) { return _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8); }
@@ -153,7 +155,7 @@ constexpr bool kVnni = false;
 #endif
 
 // y[r, col] = fma(sum, scale(r, col), bias[col]) rounded once to bfloat16, for the live columns of one vector.
-inline void store_row(vf sum, vf scale, const float* bias, uint16_t* y, int64_t col, int64_t n) {
+INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, int64_t col, int64_t n) {
   alignas(64) float b[kLanes] = {};
   if (bias != nullptr)
     for (int i = 0; i < kLanes && col + i < n; ++i) b[i] = bias[col + i];
@@ -184,11 +186,46 @@ inline void tile16(const float* xf, int64_t k, const int8_t* block, int64_t widt
       for (int r = 0; r < ROWS; ++r) acc[r][j] = vfma(xb[r], wv, acc[r][j]);
     }
   }
+  // the sums leave their registers once, in fully unrolled loops: indexed by a loop GCC does not unroll, acc
+  // lived in memory, stored at every k, which halved a prompt chunk's speed
+  alignas(64) float out[ROWS][V][kLanes];
+#pragma GCC unroll 64
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) vstore(out[r][j], acc[r][j]);
   for (int j = 0; j < V; ++j) {
     const int64_t col = n0 + c0 + j * kLanes;
-    if (col >= n) break;
     const vf s = vload(scale + c0 + j * kLanes);
-    for (int r = 0; r < ROWS; ++r) store_row(acc[r][j], s, bias, y + r * ldy, col, n);
+    for (int r = 0; r < ROWS; ++r)
+      if (col < n) store_row(vload(out[r][j]), s, bias, y + r * ldy, col, n);
+  }
+}
+
+// y[0:ROWS, 2 vectors of columns from col0] for x in float32 against wf, the slice's weights already widened
+// to float32 (K rows of 2 kLanes); scale: the slice's column scales.
+template <int ROWS>
+inline void tile16_widened(const float* xf, int64_t k, const float* wf, const float* scale, const float* bias,
+                           uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
+  vf acc[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
+  for (int64_t i = 0; i < k; ++i) {
+    const vf w0 = vload(wf + i * 2 * kLanes), w1 = vload(wf + i * 2 * kLanes + kLanes);
+    for (int r = 0; r < ROWS; ++r) {
+      const vf xb = vbroadcast(xf + r * k + i);
+      acc[r][0] = vfma(xb, w0, acc[r][0]);
+      acc[r][1] = vfma(xb, w1, acc[r][1]);
+    }
+  }
+  alignas(64) float out[ROWS][2][kLanes];  // (as tile16)
+#pragma GCC unroll 64
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; ++j) vstore(out[r][j], acc[r][j]);
+  for (int j = 0; j < 2; ++j) {
+    const int64_t col = col0 + j * kLanes;
+    const vf s = vload(scale + j * kLanes);
+    for (int r = 0; r < ROWS; ++r)
+      if (col < n) store_row(vload(out[r][j]), s, bias, y + r * ldy, col, n);
   }
 }
 
@@ -201,12 +238,22 @@ inline void rows_of_block16(const float* xf, int64_t k, const int8_t* block, con
     for (; r < r1; ++r) tile16<1, V>(xf + r * k, k, block, width, 0, scale, bias, y + r * n, n, n0, n);
     return;
   }
+  // Many rows (a prompt chunk): each slice of 2 vectors of columns widened to float32 once (K x 2 kLanes floats,
+  // in cache), then tiles of kWideRows rows x 2 vectors, which then do nothing but FMA: widening in every tile
+  // took as many instructions as its FMAs (a 256-token prefill 0.68x bfloat16's on Zen 3 before).
+  constexpr int kWideRows = kLanes == 16 ? 8 : 4;  // 2 x rows sums, one weight pair and a broadcast live
+  thread_local std::vector<float> wf;
+  wf.resize(k * 2 * kLanes);
   for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
+    for (int64_t i = 0; i < k; ++i)
+      for (int j = 0; j < 2; ++j) vstore(wf.data() + i * 2 * kLanes + j * kLanes, widen_i8(block + i * width + c0 + j * kLanes));
+    const float* s = scale + c0;
+    const int64_t col0 = n0 + c0;
     int64_t i = r;
-    for (; i + kTileRows <= r1; i += kTileRows)
-      tile16<kTileRows, 2>(xf + i * k, k, block, width, c0, scale, bias, y + i * n, n, n0, n);
-    for (; i + 2 <= r1; i += 2) tile16<2, 2>(xf + i * k, k, block, width, c0, scale, bias, y + i * n, n, n0, n);
-    for (; i < r1; ++i) tile16<1, 2>(xf + i * k, k, block, width, c0, scale, bias, y + i * n, n, n0, n);
+    for (; i + kWideRows <= r1; i += kWideRows)
+      tile16_widened<kWideRows>(xf + i * k, k, wf.data(), s, bias, y + i * n, n, col0, n);
+    for (; i + 2 <= r1; i += 2) tile16_widened<2>(xf + i * k, k, wf.data(), s, bias, y + i * n, n, col0, n);
+    for (; i < r1; ++i) tile16_widened<1>(xf + i * k, k, wf.data(), s, bias, y + i * n, n, col0, n);
   }
 }
 
@@ -255,14 +302,18 @@ inline void tile8(const W8A8Args& a, int64_t blk, int64_t c0, int64_t r0) {
     }
 #endif
   }
+  alignas(64) int32_t out[ROWS][V][kLanes];  // (as tile16)
+#pragma GCC unroll 64
+  for (int r = 0; r < ROWS; ++r)
+#pragma GCC unroll 16
+    for (int j = 0; j < V; ++j) vstore_i32(out[r][j], acc[r][j]);
   for (int j = 0; j < V; ++j) {
     const int64_t col = blk * a.width + c0 + j * kLanes;
-    if (col >= a.n) break;
     const vf ws = vload(a.scale + col);
     const vi offset = kVnni ? vload_i32(a.colsum + col) : vizero();
     for (int r = 0; r < ROWS; ++r) {
       const vf s = vmul(vbroadcast(a.xscale + r0 + r), ws);  // x_scale * w_scale, as torch multiplies them
-      store_row(vcvt(vsub32(acc[r][j], offset)), s, a.bias, a.y + (r0 + r) * a.n, col, a.n);
+      if (col < a.n) store_row(vcvt(vsub32(vload_i32(out[r][j]), offset)), s, a.bias, a.y + (r0 + r) * a.n, col, a.n);
     }
   }
 }
