@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,replicas,quant-speed} [options]
+USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,quant-speed,kv-cache,replicas} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
             requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s;
@@ -18,10 +18,17 @@ USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,
             set (no server)
   quant-speed  batch-1 decode and 256-token prefill of quantized artifacts against bfloat16 (and llama.cpp
             GGUFs), interleaved rounds, each against its own bandwidth floor (no server)
+  kv-cache  the int8 KV cache against bfloat16: decode attention at 2k context, the decode step at batch
+            16, capacity at the same memory, optionally the gate's KLD (no server)
   replicas  2 replicas behind the router: prefix-aware against round-robin on a multi-tenant workload
             (hit rate, TTFT); one tenant's TTFT/TPOT while another floods, fair share against FCFS
 
 infer-bench COMMAND --help shows the options of each."""
+
+
+# command -> the bench/ module whose main(argv) runs it (serve is separate: its exit code is the verdict)
+COMMANDS = {"offline": "throughput", "single": "single", "tune": "tune", "structured": "structured",
+            "speculative": "speculative", "quant-speed": "quant_speed", "kv-cache": "kv_cache", "replicas": "replicas"}
 
 
 def main(argv=None) -> None:
@@ -34,22 +41,10 @@ def main(argv=None) -> None:
         from .serve import main as serve_main
 
         sys.exit(serve_main(rest))
-    if command in ("offline", "single", "tune", "structured", "speculative", "replicas", "quant-speed"):
-        if command == "offline":
-            from .throughput import main as bench_main
-        elif command == "structured":
-            from .structured import main as bench_main
-        elif command == "replicas":
-            from .replicas import main as bench_main
-        elif command == "speculative":
-            from .speculative import main as bench_main
-        elif command == "quant-speed":
-            from .quant_speed import main as bench_main
-        elif command == "single":
-            from .single import main as bench_main
-        else:
-            from .tune import main as bench_main
-        bench_main(rest)
+    if command in COMMANDS:
+        import importlib
+
+        importlib.import_module(f".{COMMANDS[command]}", __package__).main(rest)
         sys.exit(0)
     print(f"infer-bench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     sys.exit(2)
