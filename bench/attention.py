@@ -10,7 +10,7 @@ path (what a CPU without AVX-512 BF16 runs), against gather + SDPA, for batches 
 300 tokens whose blocks lie anywhere in a pool (as a server's do), call by call in turn, medians.
 Every output is checked against a float64 reference, so a fast wrong kernel cannot pass.
 
-    python -m infer.bench.attention [--repeats 50] [--json bench/results/attention.json]
+    python -m infer.bench.attention [--repeats 50] [--json PATH]
 """
 
 from __future__ import annotations

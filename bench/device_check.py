@@ -19,7 +19,7 @@ shapes of Qwen2.5-7B (hidden 3584, 28 heads, 4 KV heads, head_dim 128, intermedi
    prompts), and the engine's decode step time with and without graphs at batch 1 and 8. Under
    ``--smoke`` there is no CUDA: the same comparison runs on the CPU (kernels=triton interpreted
    against torch; no graphs, no timings), which checks the section's own code.
-Writes ``$OUT/device_check.json`` when $OUT is set, else bench/results/device_check.json, and
+Writes ``$OUT/device_check.json`` when $OUT is set, else under $INFER_BENCH_RESULTS or $TMPDIR/infer-bench, and
 prints a table.
 """
 
@@ -32,6 +32,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -534,7 +535,8 @@ def main(argv=None) -> int:
     report.run("decode_step", lambda: decode_step(T, cg, shape, layers, device, args.smoke), need_s=60)
     report.sections["total_seconds"] = {"result": {"seconds": round(time.perf_counter() - report.start, 1)}}
 
-    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "bench" / "results"
+    out_dir = Path(os.environ.get("OUT") or os.environ.get("INFER_BENCH_RESULTS")
+                   or Path(tempfile.gettempdir()) / "infer-bench")  # as bench/throughput.py's RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / ("device_check_smoke.json" if args.smoke and not os.environ.get("OUT") else "device_check.json")
     path.write_text(json.dumps(report.sections, indent=1, default=str))

@@ -16,7 +16,7 @@ For each of float32, bfloat16 and the quantized schemes (SCHEMES: the smollm2_13
 
     python -m infer.bench.quant [--schemes fp8,gptq,...] [--calib-samples 128] [--calib-seq-len 512]
                                 [--eval-windows 16] [--chat-prompts 48] [--decode-tokens 32]
-                                [--json bench/results/quant.json] [--keep DIR [--reuse]] [--build-only] [--note TEXT]
+                                [--json PATH] [--keep DIR [--reuse]] [--build-only] [--note TEXT]
     python -m infer.bench.quant --fp8-sensitivity FLOAT_ARTIFACT [--limit N] --json out.json
 
 ``--keep DIR --build-only`` builds (and records the build figures of) some schemes; a later

@@ -8,7 +8,7 @@ bytes, and a sampler thread in the child records RSS at each phase (load, onesho
 what bounds the peak. Free disk is checked first; the files are deleted afterwards.
 
     python -m infer.bench.quant_memory [--layers 12] [--hidden 4096] [--intermediate 11008] [--dir /tmp]
-                                       [--json bench/results/quant_memory.json] [--keep]
+                                       [--json PATH] [--keep]
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ alternate the order (base, head, head, base, ...), so a host that drifts affects
 medians are reported.
 
     python -m infer.bench.revisions --base REV [--head REV] [--benches offline,single,prefix] [--rounds 2]
-                                    [--artifact DIR] [--json bench/results/revisions.json]
+                                    [--artifact DIR] [--json PATH]
 
 ``--head`` defaults to this working tree; naming a revision checks it out the same way (so edits
 made while the benchmark runs cannot reach it).

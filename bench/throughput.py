@@ -15,13 +15,16 @@ import json
 import os
 import platform
 import random
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ARTIFACTS = RESULTS.parent.parent / "artifacts"  # what the benchmarks build for themselves
+# where a benchmark's JSON goes unless --json says: outside the tree ($INFER_BENCH_RESULTS, else the temp dir);
+# the figures worth keeping go to the README's table and docs/benchmarks/ with the command that made them
+RESULTS = Path(os.environ.get("INFER_BENCH_RESULTS") or Path(tempfile.gettempdir()) / "infer-bench")
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"  # what the benchmarks build for themselves
 
 
 def host_info() -> dict:
@@ -44,7 +47,7 @@ def host_info() -> dict:
 
 
 def save_json(result: dict, path: Path) -> None:
-    """Every benchmark leaves its figures as JSON (bench/results/ by default), saying on which host
+    """Every benchmark leaves its figures as JSON (under RESULTS by default), saying on which host
     and, for engine benchmarks, which kernels ran (INFER_AMX=0 forces the non-AMX path)."""
     from infer.kernels.resolver import resolve
 
