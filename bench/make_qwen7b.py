@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from infer.runtime.artifact import CONFIG, INDEX, TOKENIZER_FILES
+
 QWEN2_5_7B_INSTRUCT = {
     "architectures": ["Qwen2ForCausalLM"],
     "attention_dropout": 0.0,
@@ -83,12 +85,11 @@ def write_tokenizer(out: Path, cfg: dict) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         convert_gguf(embedded_gguf_path(), tmp)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(tmp) / name, out / name)
-        embedded = json.loads((Path(tmp) / "config.json").read_text())
+        for name in TOKENIZER_FILES:  # tokenizer, its config (the chat template), generation config
+            if (Path(tmp) / name).is_file():
+                shutil.copy(Path(tmp) / name, out / name)
+        embedded = json.loads((Path(tmp) / CONFIG).read_text())
     cfg["bos_token_id"], cfg["eos_token_id"] = embedded["bos_token_id"], embedded["eos_token_id"]
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2) + "\n")
 
 
 def make(out: Path, layers: int | None = None, seed: int = 0) -> dict:
@@ -98,7 +99,7 @@ def make(out: Path, layers: int | None = None, seed: int = 0) -> dict:
     if layers is not None:
         cfg["num_hidden_layers"] = cfg["max_window_layers"] = layers
     write_tokenizer(out, cfg)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    (out / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
     shapes = tensor_shapes(cfg)
     total = sum(2 * torch.Size(s).numel() for _, s in shapes)
     per_shard, g, t0 = -(-total // SHARDS), torch.Generator().manual_seed(seed), time.perf_counter()
@@ -127,7 +128,7 @@ def make(out: Path, layers: int | None = None, seed: int = 0) -> dict:
     for old, new in renamed.items():
         (out / old).rename(out / new)
     weight_map = {k: renamed[v] for k, v in weight_map.items()}
-    (out / "model.safetensors.index.json").write_text(json.dumps(
+    (out / INDEX).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
     return {"path": str(out), "bytes": total, "tensors": len(shapes), "layers": cfg["num_hidden_layers"],
             "seconds": round(time.perf_counter() - t0, 1)}

@@ -84,6 +84,7 @@ def test_bad_candidate_settings_fail_before_any_work(tiny, tmp_path):
 def test_wide_layers_are_a_second_group_the_runtime_runs_as_int8(tiny, tmp_path):
     import transformers
 
+    from infer.kernels import int8_linear
     from infer.runtime.model import load_model
     from infer.runtime.model.quant_linear import int4_cpu_backend, quantized_modules
 
@@ -98,9 +99,11 @@ def test_wide_layers_are_a_second_group_the_runtime_runs_as_int8(tiny, tmp_path)
     assert groups[8]["weights"]["strategy"] == "channel" and len(groups[4]["targets"]) == 14 - 3
     manifest = json.loads((art / "manifest.json").read_text())
     assert len(manifest["quantize"]["wide_layers"]) == 3
-    model = load_model(art)
+    model = load_model(art)  # weight-only int4 and int8 side by side: a bfloat16 model (loader._compute_dtype)
+    assert model.dtype == torch.bfloat16
     backends = quantized_modules(model)
-    assert backends["layers.0.mlp.down_proj"] == backends["layers.0.self_attn.o_proj"] == "cpu-int8-weight"
+    int8 = "cpu-int8-blocks" if int8_linear.load() is not None else "cpu-int8-weight"
+    assert backends["layers.0.mlp.down_proj"] == backends["layers.0.self_attn.o_proj"] == int8
     assert backends["layers.1.self_attn.o_proj"] == backends["layers.0.mlp.gate_up_proj"] == int4_cpu_backend()
     ref = transformers.AutoModelForCausalLM.from_pretrained(art, dtype=torch.float32).eval()
     ids = torch.randint(3, 49152, (1, 40))

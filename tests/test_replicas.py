@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -60,29 +59,6 @@ def test_round_robin_alternates_and_a_bad_policy_is_refused():
     assert [r.choose([], set()).url for _ in range(4)] == ["http://a", "http://b"] * 2
     with pytest.raises(ValueError, match="choose one of prefix, round_robin"):
         Router(["http://a"], "cache")
-
-
-@pytest.fixture(scope="module")
-def tiny_artifact(embedded_artifact, tmp_path_factory, cache_dir):
-    """A 2-layer random Llama with the embedded model's tokenizer: loads in seconds."""
-    import torch
-    import transformers
-
-    from infer.pipeline.build import build
-    from infer.pipeline.config import compose_recipe
-
-    src = tmp_path_factory.mktemp("tiny-replica-src")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(embedded_artifact / name, src / name)
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-replicas"
-    build(compose_recipe([f"model.source={src}", "artifact.name=tiny", f"output_dir={out}", f"cache_dir={cache_dir}",
-                          "tune.enabled=false"]))
-    return out
 
 
 def _status(url: str) -> dict:

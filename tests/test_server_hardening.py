@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import shutil
 import threading
 import time
 from types import SimpleNamespace
@@ -37,29 +36,6 @@ def bf16_artifact(tmp_path_factory, cache_dir):
 
     out = tmp_path_factory.mktemp("artifacts") / "smollm2-bf16"
     build(compose_recipe([f"output_dir={out}", f"cache_dir={cache_dir}", "model.dtype=bfloat16", "tune.enabled=false"]))
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_artifact(bf16_artifact, tmp_path_factory, cache_dir):
-    """A 2-layer random Llama with the embedded model's tokenizer and chat template."""
-    import torch
-    import transformers
-
-    from infer.pipeline.build import build
-    from infer.pipeline.config import compose_recipe
-
-    src = tmp_path_factory.mktemp("tiny-src")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(src)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(bf16_artifact / name, src / name)
-    out = tmp_path_factory.mktemp("artifacts") / "tiny"
-    build(compose_recipe([f"model.source={src}", "artifact.name=tiny", f"output_dir={out}", f"cache_dir={cache_dir}",
-                          "tune.enabled=false"]))
     return out
 
 

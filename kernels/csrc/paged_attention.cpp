@@ -46,6 +46,20 @@ using infer::to_float;
 using infer::exp16;
 #endif
 
+// One row of scores to probabilities in place, in plain C++: the general loops' softmax (the vector paths
+// have their own softmax_inplace). len >= 1; no infinities under -ffast-math.
+inline void softmax_row(float* s, int64_t len) {
+  float mx = s[0];
+  for (int64_t t = 1; t < len; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+  for (int64_t t = 0; t < len; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+}
+
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
@@ -479,18 +493,7 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
             scores[g * len + t] = dot * ks;
           }
         }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sg = scores.data() + g * len;
-          float mx = sg[0];
-          for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sg[t]);
-          float sum = 0.f;
-          for (int64_t t = 0; t < len; ++t) {
-            sg[t] = std::exp(sg[t] - mx);
-            sum += sg[t];
-          }
-          const float inv = 1.f / sum;
-          for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-        }
+        for (int64_t g = 0; g < group; ++g) softmax_row(scores.data() + g * len, len);
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t t = 0; t < len; ++t) {
           const int8_t* v = token_row(v_cache, t);
@@ -585,18 +588,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #if defined(__AVX512F__)
       for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
 #else
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * len;
-        float mx = sg[0];  // len >= 1; no infinities under -ffast-math
-        for (int64_t t = 1; t < len; ++t) mx = std::max(mx, sg[t]);
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; ++t) {
-          sg[t] = std::exp(sg[t] - mx);
-          sum += sg[t];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
+      for (int64_t g = 0; g < group; ++g) softmax_row(scores.data() + g * len, len);
 #endif
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)

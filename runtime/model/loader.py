@@ -121,12 +121,14 @@ def store_partial_rotary(state: dict[str, torch.Tensor], quantized: dict[str, Qu
 
 
 def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
-    """The checkpoint's float dtype, except that an int4 weight-only (W4A16) checkpoint stored in
-    float32 runs in bfloat16: "A16" says 16-bit activations, the int4 kernel computes in bfloat16
-    anyway, and a float32 embedding / LM head would be the largest read of every decode step (113
-    of 170 MB on the embedded model). ``dtype=torch.float32`` (``--dtype float32``) still asks for it."""
-    weight_only_int4 = quantized and all(w.inputs is None and w.weights.num_bits == 4 for w in quantized.values())
-    return torch.bfloat16 if weight_only_int4 and stored == torch.float32 else stored
+    """The checkpoint's float dtype, except that an integer weight-only checkpoint (W4A16, W8A16, or the two
+    mixed as quant.auto widens layers) stored in float32 runs in bfloat16: "A16" says 16-bit activations, the
+    int4 and int8 kernels of the one-call step serve bfloat16 models, and a float32 embedding / LM head would be
+    the largest read of every decode step (113 of 170 MB on the embedded model). ``dtype=torch.float32``
+    (``--dtype float32``) still asks for it."""
+    weight_only = quantized and all(w.inputs is None and w.weights.type == "int" and w.weights.num_bits in (4, 8)
+                                    for w in quantized.values())
+    return torch.bfloat16 if weight_only and stored == torch.float32 else stored
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto", hf_config: dict | None = None,
