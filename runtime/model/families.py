@@ -94,6 +94,26 @@ def sliding_window(cfg: dict) -> int | None:
     return cfg.get("sliding_window")
 
 
+def layer_windows(cfg: dict) -> tuple[int | None, ...] | None:
+    """Each layer's attention window (None: full attention), or None when every layer attends in full.
+    transformers' rule: ``layer_types`` where the config lists them (Qwen2/Qwen3: sliding from
+    ``max_window_layers`` on), else every layer slides when a window is set (Mistral, Phi-3). A window of
+    at least max_position_embeddings never cuts anything the engine serves, so it counts as full."""
+    window, layers = sliding_window(cfg), cfg["num_hidden_layers"]
+    if window is None or window >= cfg.get("max_position_embeddings", 2048):
+        return None
+    types = cfg.get("layer_types")
+    if types is None and FAMILIES[cfg["model_type"]].window_flag is not None:
+        first = cfg.get("max_window_layers", layers)
+        types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
+    if types is None:
+        return (window,) * layers
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise _refuse("layer_types", types, f"{layers} entries of full_attention or sliding_attention")
+    windows = tuple(window if t == "sliding_attention" else None for t in types)
+    return windows if any(windows) else None
+
+
 def check_config(cfg: dict) -> Family:
     """Raises UnsupportedConfig for a family or key value this runtime does not implement; returns the family."""
     model_type = cfg.get("model_type")

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import FAMILIES, ROPE_TYPES, check_config, partial_rotary_factor, rope_parameters
+from .families import FAMILIES, ROPE_TYPES, check_config, layer_windows, partial_rotary_factor, rope_parameters
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -54,6 +54,8 @@ class ModelConfig:
     # rope_parameters when not default rope: rope_type and the keys families.ROPE_TYPES lists for it
     rope_scaling: dict | None = field(default=None, hash=False)
     rotary_dim: int | None = None  # the leading dims of each head the rotary turns (partial rotary); None: all
+    # each layer's sliding attention window (None: full attention); None when every layer attends in full
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def rotary_dims(self) -> int:
@@ -105,6 +107,7 @@ class ModelConfig:
             packed_checkpoint=family.packed_checkpoint,
             rope_scaling=scaling,
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+            layer_windows=layer_windows(cfg),
         )
 
     @classmethod
