@@ -59,10 +59,14 @@ def _config(case: str) -> transformers.PretrainedConfig:
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
             "short_factor": [1.0 + 0.1 * i for i in range(quarter)],
             "long_factor": [1.0 + 2.0 * i for i in range(quarter)]})
+    if case == "gemma":  # GeGLU, embeddings times sqrt(hidden) (48: not a round float), (1 + weight) norms,
+        # head_dim 256 apart from hidden / heads, one KV head (Gemma 2B's), tied head
+        return transformers.GemmaConfig(**{**COMMON, "hidden_size": 48, "num_key_value_heads": 1}, head_dim=256,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     raise ValueError(case)
 
 
-CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope", "phi4-partial"]
+CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope", "phi4-partial", "gemma"]
 
 
 def _tokenizer(path: Path) -> None:
@@ -82,8 +86,8 @@ def _checkpoint(path: Path, case: str, init: float = 0.02) -> transformers.PreTr
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.5)
-            elif "norm" in name:
-                p.normal_(1.0, 0.3)
+            elif "norm" in name:  # Gemma stores weight - 1 (its RMSNorm scales by 1 + weight)
+                p.normal_(0.0 if FAMILIES[cfg.model_type].norm_offset else 1.0, 0.3)
     model.save_pretrained(path)
     _tokenizer(path)
     return model
@@ -138,7 +142,7 @@ HAS_STEP = isa.at_least("avx2")
 
 @pytest.mark.skipif(not HAS_STEP, reason="this CPU has no AVX2 + FMA: no C++ step to check")
 @pytest.mark.parametrize("case,fused", [("qwen2-yarn", True), ("llama3", True), ("phi4-partial", True),
-                                        ("qwen3", False), ("llama-bias-dynamic", False)])
+                                        ("qwen3", False), ("llama-bias-dynamic", False), ("gemma", False)])
 def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case, fused):
     """The C++ step rotates with the model's own tables (YaRN's attention scaling and llama3's frequencies
     included): its tokens equal the Python loop's and its logprobs agree to bfloat16 step noise, while the
@@ -158,7 +162,8 @@ def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case,
     print(case, model.step_path)
     if not fused:
         assert model.fused_step is None
-        assert re.search(r"python layer loop: (q/k norms|an o_proj bias)", model.step_path), model.step_path
+        assert re.search(r"python layer loop: (q/k norms|an o_proj bias|hidden_act gelu_pytorch_tanh \(GeGLU MLP\))",
+                         model.step_path), model.step_path
         return
     step = model.fused_step
     assert step is not None and step.rotary is model.rotary and model.step_path.startswith("fused C++ step")
@@ -210,8 +215,15 @@ def test_rope_scaling_matches_transformers_tables():
     ("rope_parameters", {"rope_type": "foo", "rope_theta": 10000.0},
      r"rope_parameters.rope_type='foo' is not supported for model_type mistral; supported: default, linear, "
      r"dynamic, llama3, yarn, longrope"),
-    ("hidden_act", "gelu", r"hidden_act='gelu' is not supported; supported: silu"),
-    ("model_type", "gemma2", r"model_type 'gemma2' is not supported; supported: llama, qwen2, qwen3, mistral, phi3"),
+    ("hidden_act", "relu", r"hidden_act='relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu"),
+    ("model_type", "gemma2", r"model_type 'gemma2' is not supported yet: logit and attention soft-capping, sandwich "
+                             r"norms.* are not implemented; supported: llama, qwen2, qwen3, mistral, phi3, gemma "
+                             r"\(gemma: Gemma 1\)"),
+    ("model_type", "gemma3_text", r"model_type 'gemma3_text' is not supported yet: .*alternating sliding-window"),
+    ("model_type", "falcon", r"model_type 'falcon' is not supported; supported: llama, qwen2, qwen3, mistral, phi3, "
+                             r"gemma"),
+    ("use_bidirectional_attention", True, r"use_bidirectional_attention=True is not supported; supported: null or "
+                                          r"false \(causal\)"),
 ])
 def test_unsupported_keys_are_refused_naming_key_and_values(key, value, match):
     cfg = _config("mistral").to_dict()
@@ -246,7 +258,7 @@ def test_phi3_aliases_and_family_declaration():
     cfg["rope_parameters"]["rope_type"] = "llama3"
     with pytest.raises(UnsupportedConfig, match=r"supported: default, longrope, su \(= longrope\)"):
         ModelConfig.from_hf(cfg)
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma"}
 
 
 def test_readme_lists_families_from_the_declaration():

@@ -29,7 +29,17 @@ ROPE_TYPES = {
 }
 REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor",
                       "high_freq_factor"), "yarn": ("factor",), "longrope": ("short_factor", "long_factor")}
-HIDDEN_ACTS = ("silu",)
+# hidden_act -> what the MLP computes on its gate (times up): SiLU (SwiGLU), GELU's tanh approximation (GeGLU,
+# Gemma), exact GELU
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
+# families transformers knows that this runtime does not implement yet, and what they need that it lacks
+NOT_YET = {
+    "gemma2": "logit and attention soft-capping, sandwich norms, query_pre_attn_scalar, alternating sliding-window "
+              "layers",
+    "gemma3_text": "sandwich norms, Gemma's q/k norms, query_pre_attn_scalar, alternating sliding-window layers with "
+                   "their own rope_theta",
+    "gemma3": "the vision tower, and what gemma3_text lacks",
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +59,14 @@ class Family:
     partial_rotary: bool = False
     rope_types: tuple[str, ...] = tuple(ROPE_TYPES)
     rope_aliases: dict = field(default_factory=dict)  # older names transformers maps for this family
+    # the keys naming the MLP's activation, the first one set wins. Gemma: hidden_activation first, as vLLM and
+    # transformers 4.x read it (Gemma's configs pair hidden_act "gelu" with hidden_activation "gelu_pytorch_tanh",
+    # the GELU it was trained with; transformers 5 reads hidden_act alone)
+    act_keys: tuple[str, ...] = ("hidden_act",)
+    # Gemma: embeddings times sqrt(hidden_size) (in the model's dtype), RMSNorm scaling by (1 + weight)
+    embed_scale: bool = False
+    norm_offset: bool = False
+    tied_default: bool = False  # tie_word_embeddings where config.json leaves it out (transformers' class default)
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -58,6 +76,8 @@ FAMILIES = {f.model_type: f for f in (
     Family("mistral", "Mistral 7B v0.2/v0.3, Mistral Nemo", attention_bias="none"),
     Family("phi3", "Phi-3, Phi-3.5 mini, Phi-4-mini", attention_bias="none", packed_checkpoint=True, partial_rotary=True,
            rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"}),
+    Family("gemma", "Gemma 1 (2B, 7B), CodeGemma", attention_bias="attention_bias",
+           act_keys=("hidden_activation", "hidden_act"), embed_scale=True, norm_offset=True, tied_default=True),
 )}
 
 
@@ -84,6 +104,12 @@ def rope_parameters(cfg: dict) -> dict:
 def partial_rotary_factor(cfg: dict) -> float:
     """The share of each head the rotary embedding turns (rope_parameters, else the top-level key)."""
     return float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
+
+
+def hidden_act_key(cfg: dict) -> str:
+    """The config key that names the MLP's activation for this config's family (Family.act_keys)."""
+    keys = FAMILIES[cfg["model_type"]].act_keys
+    return next((k for k in keys if cfg.get(k) is not None), keys[-1])
 
 
 def sliding_window(cfg: dict) -> int | None:
@@ -118,11 +144,16 @@ def check_config(cfg: dict) -> Family:
     """Raises UnsupportedConfig for a family or key value this runtime does not implement; returns the family."""
     model_type = cfg.get("model_type")
     family = FAMILIES.get(model_type)
+    if model_type in NOT_YET:
+        raise UnsupportedConfig(f"model_type {model_type!r} is not supported yet: {NOT_YET[model_type]} are not "
+                                f"implemented; supported: {', '.join(FAMILIES)} (gemma: Gemma 1)")
     if family is None:
         raise UnsupportedConfig(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
-    act = cfg.get("hidden_act", "silu")
-    if act not in HIDDEN_ACTS:
-        raise _refuse("hidden_act", act, ", ".join(HIDDEN_ACTS))
+    key = hidden_act_key(cfg)
+    if cfg.get(key, "silu") not in HIDDEN_ACTS:
+        raise _refuse(key, cfg[key], ", ".join(HIDDEN_ACTS))
+    if cfg.get("use_bidirectional_attention"):
+        raise _refuse("use_bidirectional_attention", cfg["use_bidirectional_attention"], "null or false (causal)")
     raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(raw, dict) or any(isinstance(v, dict) for v in raw.values()):
         raise _refuse("rope_parameters", raw, "one flat dict for every layer", " (per-layer rotary parameters)")
@@ -166,7 +197,11 @@ def markdown_table() -> str:
                     f"| `head_dim` or hidden/heads | tied or untied | {window} |")
     notes = (
         f"Every family: `hidden_act` {', '.join(HIDDEN_ACTS)}; `partial_rotary_factor` 1.0 unless its rope_type "
-        "cell says otherwise; `rope_theta` stated. "
+        "cell says otherwise; `rope_theta` stated; `use_bidirectional_attention` off. "
+        + " ".join(f"`{f.model_type}`: embeddings times sqrt(hidden_size), RMSNorm scaling by (1 + weight), the "
+                   f"activation read from {' else '.join(f'`{k}`' for k in f.act_keys)}." for f in FAMILIES.values()
+                   if f.embed_scale or f.norm_offset)
+        + " Not yet: " + "; ".join(f"`{t}` (lacks {why})" for t, why in NOT_YET.items()) + ". "
         "Keys each `rope_type` reads: " + "; ".join(
             f"`{t}`: " + (", ".join(f"`{k}`" for k in keys) if keys else "none") for t, keys in ROPE_TYPES.items())
         + ". `dynamic` equals `default` within max_position_embeddings, which the engine never serves past; "

@@ -59,12 +59,13 @@ class FusedStep:
     @staticmethod
     def declines(model) -> str | None:
         """Why this model's layers do not run as one C++ call (None: they do). It needs every decoder layer
-        to be this file's Llama block as kernels/csrc/step_layers.cpp computes it (no q/k norms, no o_proj
-        or MLP biases), with the fused layer ops and linears on AMX tiles, the column-block kernel (bfloat16),
-        the int4 one in the column order of the checkpoint or the int8 ones, in any mix (a tensor-parallel
-        model, another quantization scheme or activation order is not). The rotary tables, scaled rope types' included,
-        are the model's own (``model.rotary``), so those need nothing of the C++ step. The resolver keeps
-        ``kernels.step_layers`` only where it has AMX built in if AMX kernels run."""
+        to be this file's Llama block as kernels/csrc/step_layers.cpp computes it (SiLU MLP, Llama's RMSNorm,
+        no q/k norms, no o_proj or MLP biases), with the fused layer ops and linears on AMX tiles, the
+        column-block kernel (bfloat16), the int4 one in the column order of the checkpoint or the int8 ones, in
+        any mix (a tensor-parallel model, another quantization scheme or activation order is not). The rotary
+        tables, scaled rope types' included, are the model's own (``model.rotary``), so those need nothing of
+        the C++ step. The resolver keeps ``kernels.step_layers`` only where it has AMX built in if AMX kernels
+        run."""
         from .llama import Block
         from .packed_linear import PackedLinear
         from .quant_linear import Int4BlocksLinear, Int8BlocksLinear, W8A8BlocksLinear
@@ -78,6 +79,12 @@ class FusedStep:
 
         if model.dtype != torch.bfloat16:
             return f"dtype {model.dtype}: the C++ step runs bfloat16 models"
+        cfg = model.config
+        if cfg.hidden_act != "silu":
+            return (f"hidden_act {cfg.hidden_act} (GeGLU MLP): kernels/csrc/step_layers.cpp computes SiLU-gated MLPs "
+                    f"only")
+        if cfg.norm_offset:
+            return "Gemma's (1 + weight) float32 RMSNorm is not implemented in kernels/csrc/step_layers.cpp"
         if model.rotary.ops is None or any(type(layer) is not Block or layer.mlp.ops is None
                                            or layer.input_layernorm.ops is None for layer in model.layers):
             return "the fused layer ops (kernels/layer_ops) are not in use"

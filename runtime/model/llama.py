@@ -1,7 +1,8 @@
-"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3).
+"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3, Gemma).
 
 The families differ by a few config-driven branches (q/k norms, which projections carry biases, the
-rotary embedding's scaling, a checkpoint with fused projections), declared in runtime/model/families.py.
+rotary embedding's scaling, a checkpoint with fused projections, the MLP's activation, Gemma's scaled
+embeddings and (1 + weight) norms), declared in runtime/model/families.py.
 
 Tokens travel flattened, as one ``[T, hidden]`` tensor for the whole step, so a step can mix
 prompt chunks and single decode tokens of many sequences. How attention sees the rest of each
@@ -25,7 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import FAMILIES, ROPE_TYPES, check_config, layer_windows, partial_rotary_factor, rope_parameters
+from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act_key, layer_windows, partial_rotary_factor,
+                       rope_parameters)
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -56,6 +58,10 @@ class ModelConfig:
     rotary_dim: int | None = None  # the leading dims of each head the rotary turns (partial rotary); None: all
     # each layer's sliding attention window (None: full attention); None when every layer attends in full
     layer_windows: tuple[int | None, ...] | None = None
+    hidden_act: str = "silu"  # the MLP's activation on its gate: families.HIDDEN_ACTS
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the model's dtype (Gemma)
+    # RMSNorm scales by (1 + weight) in float32, then rounds (Gemma): the loader stores 1 + weight in float32
+    norm_offset: bool = False
 
     @property
     def rotary_dims(self) -> int:
@@ -97,7 +103,7 @@ class ModelConfig:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             max_position_embeddings=max_pos,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", family.tied_default),
             attention_bias={"attention_bias": bias, "qkv": True, "none": False}[family.attention_bias],
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
@@ -108,6 +114,9 @@ class ModelConfig:
             rope_scaling=scaling,
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             layer_windows=layer_windows(cfg),
+            hidden_act=cfg.get(hidden_act_key(cfg)) or "silu",
+            embed_scale=family.embed_scale,
+            norm_offset=family.norm_offset,
         )
 
     @classmethod
@@ -116,7 +125,11 @@ class ModelConfig:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; given the residual stream too, adds into it first (the pre-norm block's step)."""
+    """RMSNorm; given the residual stream too, adds into it first (the pre-norm block's step).
+
+    A weight of the model's dtype scales the normalised value rounded to that dtype (Llama's rule); a float32
+    weight on a lower-precision model scales it in float32 and rounds once (Gemma's rule, its 1 + weight
+    stored in float32 at load). In float32 the two rules are the same product."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -135,6 +148,8 @@ class RMSNorm(nn.Module):
         # normalise in float32, as the reference implementation does, then scale in the model dtype
         xf = residual.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight.dtype != x.dtype:
+            return (xf * self.weight).to(x.dtype), residual
         return self.weight * xf.to(x.dtype), residual
 
 
@@ -292,20 +307,25 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
+# families.HIDDEN_ACTS, as transformers' ACT2FN computes each
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu}
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.ops = None  # kernels.layer_ops' module when it builds: silu(gate) * up in one pass
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.ops = None  # kernels.layer_ops' module when it builds (SiLU only): silu(gate) * up in one pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
             return self.down_proj(self.ops.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class Block(nn.Module):
@@ -338,6 +358,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.for_config(cfg)
+        # Gemma's embedding scale: float32 sqrt(hidden_size), as transformers rounds it, cast to the model's dtype
+        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, device="cpu")) if cfg.embed_scale else None
         self.fused_step = None  # runtime/model/fused_step.py's, where every layer fits it: steps in C++
 
     @property
@@ -351,6 +373,8 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids, positions: [T]. Returns the final hidden states [T, hidden] (normed)."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         fused = self.fused_step(x, positions, ctx) if self.fused_step is not None else None
         if fused is not None:  # every layer in one C++ call
             return self.norm(*fused)[0]
@@ -360,9 +384,12 @@ class Transformer(nn.Module):
         return self.norm(x, residual)[0]
 
     def use_fused_ops(self, ops) -> None:
-        """Runs RMSNorm, rotary and the MLP's activation through kernels.layer_ops' module (None: torch ops)."""
+        """Runs RMSNorm, rotary and the MLP's activation through kernels.layer_ops' module (None: torch ops).
+        Its RMSNorm is Llama's rule (weights of the model's dtype) and its activation SiLU: other norms and
+        MLPs stay on torch ops."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding, MLP)):
+            if (isinstance(m, RotaryEmbedding) or isinstance(m, RMSNorm) and m.weight.dtype == self.dtype
+                    or isinstance(m, MLP) and m.act is F.silu):
                 m.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,17 @@ def store_partial_rotary(state: dict[str, torch.Tensor], quantized: dict[str, Qu
                 state[key] = state[key][head]
 
 
+def store_norm_offset(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """Gemma's RMSNorm scales by (1 + weight) in float32 (transformers' GemmaRMSNorm): every norm weight, already
+    in the model's dtype, becomes 1 + weight computed and kept in float32, in place. The model's RMSNorm
+    multiplies a float32 weight in float32 before rounding, so this is transformers' arithmetic exactly (its
+    model in that dtype), in every dtype."""
+    if cfg.norm_offset:
+        for key in state:
+            if key.endswith("norm.weight"):
+                state[key] = 1.0 + state[key].float()
+
+
 def _compute_dtype(stored: torch.dtype, quantized: dict) -> torch.dtype:
     """The checkpoint's float dtype, except that an integer weight-only checkpoint (W4A16, W8A16, or the two
     mixed as quant.auto widens layers) stored in float32 runs in bfloat16: "A16" says 16-bit activations, the
@@ -174,6 +185,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     if unused:
         raise ValueError(f"checkpoint has tensors this model does not use: {unused[:5]} ...")
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
+    store_norm_offset(state, cfg)
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
