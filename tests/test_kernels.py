@@ -307,3 +307,82 @@ def test_chunk_attention_matches_float64(kernel, lengths, cached, heads, kv_head
     with pytest.raises(RuntimeError, match=r"does not fit the \d+ query rows or its block table"):
         module.chunk_attention(q, k, v, got, torch.tensor([0]), torch.tensor([lengths[0]]),
                                torch.tensor([block * width]), tables[:1], d ** -0.5)
+
+
+# ---------------------------------------------------------------- sliding windows: a start per row
+def windowed_reference(q, k, v, tables, lens, starts):
+    """reference() over each row's keys from its start to its length."""
+    out = []
+    kv_heads, d = k.shape[2], k.shape[3]
+    for i in range(q.shape[0]):
+        keys = k[tables[i]].reshape(-1, kv_heads, d)[starts[i]:lens[i]].double().transpose(0, 1)[None]
+        vals = v[tables[i]].reshape(-1, kv_heads, d)[starts[i]:lens[i]].double().transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(q[i].double()[None, :, None, :], keys, vals, enable_gqa=True)
+        out.append(o[0, :, 0, :])
+    return torch.stack(out)
+
+
+def random_starts(lens: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """A start per row in 0 .. len - 1: at 0, mid-block, on a block edge, at the last token, and random."""
+    starts = (torch.rand(len(lens), generator=gen) * lens).long()
+    starts[0], starts[1] = 0, lens[1] - 1
+    starts[2] = (lens[2] - 1) // 16 * 16  # the first token of the last block
+    return starts.clamp(0, None)
+
+
+# a 16-bit or float32 cache takes the register task for head_dim 64/128 and the general loops for 40; an
+# int8 cache's register task is switched off to check its general loops on every shape
+@pytest.mark.parametrize("case", ["float32", "bfloat16-avx512bf16", "bfloat16-float", "int8-registers", "int8-general"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 40)])
+def test_kernel_attends_from_each_rows_start_and_never_reads_blocks_before_it(case, heads, kv_heads, head_dim):
+    dtype, _, path = case.partition("-")
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == "int8":
+        from test_kv_quant import quantized_paged
+        q, k, v, tables, lens = quantized_paged(7, heads, kv_heads, head_dim)
+        keys, vals = cpu_attention.dequantize(k), cpu_attention.dequantize(v)
+    else:
+        q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, getattr(torch, dtype))
+        keys, vals = k, v
+    # float32 arithmetic's error, and a 16-bit output's rounding (2^-9 relative) where q is 16-bit
+    rounding, tol = (0.0, 1e-5) if dtype == "float32" else (2 ** -8, 2e-3)
+    lens[:3] = torch.tensor([70, 45, 96])
+    tables = torch.cat([tables, torch.randint(0, k.shape[0], (7, 6 - tables.shape[1]), generator=gen)], 1) \
+        if tables.shape[1] < 6 else tables
+    starts = random_starts(lens, gen)
+    want = windowed_reference(q, keys, vals, tables, lens, starts)
+    given_back = tables.clone()
+    for i, s in enumerate(starts.tolist()):
+        given_back[i, :s // 16] = 10 ** 9  # a block before the start's block: an id no cache has
+    module = cpu_attention.load()
+    if path == "avx512bf16" and not module.use_bf16_path(True):
+        pytest.skip("this CPU has no AVX-512 BF16: only the float path exists here (the 'float' case ran)")
+    module.use_bf16_path(path != "float")
+    module.use_q8_fixed_path(path == "registers")
+    fixed_shape = head_dim in (64, 128)
+    try:
+        got = cpu_attention.paged_decode_attention(q, k, v, given_back, lens, head_dim ** -0.5, starts)
+        alone = cpu_attention.paged_decode_attention(q[3:4], k, v, given_back[3:4], lens[3:4], head_dim ** -0.5,
+                                                     starts[3:4])
+        full = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5, torch.zeros_like(lens))
+        plain = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+    finally:
+        module.use_bf16_path(True)
+        module.use_q8_fixed_path(True)
+    err = ((got.double() - want).abs() - want.abs() * rounding).max().item()
+    print(case, "fixed shape" if fixed_shape else "general shape", "max |diff| beyond rounding", err)
+    assert err < tol
+    assert torch.equal(alone, got[3:4])
+    assert torch.equal(full, plain)  # starts of 0 are the plain kernel, bit for bit
+    assert (plain.double() - want).abs().max().item() > 0.05  # the window mattered
+
+
+def test_kernel_refuses_a_start_outside_the_context():
+    q, k, v, tables, lens = random_paged(3, 4, 2, 64, torch.float32)
+    lens[:] = torch.tensor([20, 5, 40])
+    for bad, match in ((torch.tensor([0, 5, 0]), "start 5 of sequence 1 is outside 0..4"),
+                       (torch.tensor([-1, 0, 0]), "start -1 of sequence 0"), (torch.tensor([0, 0]), "starts must be")):
+        with pytest.raises(RuntimeError, match=match):
+            cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.125, bad)

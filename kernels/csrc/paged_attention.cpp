@@ -217,11 +217,18 @@ inline void softmax_inplace(float* x, int64_t n) {
 }
 #endif
 
+// softmax_inplace over a row's visible scores: the first `skip` (tokens of the window's first block that
+// fall before a sliding window) get probability 0.
+inline void softmax_visible(float* s, int64_t len, int64_t skip) {
+  softmax_inplace(s + skip, len - skip);
+  std::fill(s, s + skip, 0.f);
+}
+
 // One (sequence, KV head) task with the head count per KV head (G) and head_dim / kVec (D) known at
 // compile time, so the queries and the output accumulators live in registers for the whole task.
 template <typename T, int G, int D>
 void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
-                int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
+                int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
                 float* acc_out) {
   vecf q[G][D];
   for (int g = 0; g < G; ++g)
@@ -236,7 +243,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
       scores[g * len + t] = vsum(a);
     }
   }
-  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
   vecf acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = vzero();
@@ -257,7 +264,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
 // key's scale applied to its G scores, a value's scale to its G probabilities.
 template <int G, int D>
 void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table, int64_t len,
-             int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
+             int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
              float* acc_out) {
   constexpr int64_t head_dim = D * kVec;
   vecf q[G][D];
@@ -274,7 +281,7 @@ void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, cons
       scores[g * len + t] = vsum(a) * ks;
     }
   }
-  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
   vecf acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = vzero();
@@ -332,8 +339,8 @@ struct TokenRows {
 // head_dim float32 to acc_out.
 template <int G, int KD>
 void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-               int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset,
-               float scale, float* scores, float* acc_out) {
+               int64_t len, int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride,
+               int64_t kv_offset, float scale, float* scores, float* acc_out) {
   __m512bh qv[G][KD];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < KD; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q[g] + 32 * c);
@@ -355,7 +362,7 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
       _mm512_mask_storeu_ps(scores + g * len + t0, valid, _mm512_mul_ps(sum_lanes16(acc), sc));
     }
   }
-  for (int g = 0; g < G; ++g) softmax_inplace(scores + g * len, len);
+  for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
   // a raw 32-lane bfloat16 vector widens to its even lanes (x << 16) and its odd ones (x & 0xffff0000):
   // acc[g][2c] holds dims 32c, 32c + 2, ..., acc[g][2c + 1] dims 32c + 1, 32c + 3, ...
   __m512 acc[G][2 * KD];
@@ -387,7 +394,7 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
 }
 
 using Bf16Task = void (*)(const uint16_t* const*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, float, float*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float*, float*);
 
 // Whether a bfloat16 cache takes bf16_task: tests turn it off to check the float path on this host
 // (the one a CPU without AVX-512 BF16 runs).
@@ -411,12 +418,13 @@ inline Bf16Task pick_bf16_task(int64_t group, int64_t head_dim) {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 using FixedTask = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, float*, float*);
+                           int64_t, int64_t, int64_t, float*, float*);
 
 template <typename T, int G, int D>
 void fixed_task_erased(const float* qf, const void* k, const void* v, const int64_t* table, int64_t len,
-                       int64_t bs, int64_t block_stride, int64_t token_stride, int64_t off, float* scores, float* acc) {
-  fixed_task<T, G, D>(qf, static_cast<const T*>(k), static_cast<const T*>(v), table, len, bs, block_stride,
+                       int64_t skip, int64_t bs, int64_t block_stride, int64_t token_stride, int64_t off, float* scores,
+                       float* acc) {
+  fixed_task<T, G, D>(qf, static_cast<const T*>(k), static_cast<const T*>(v), table, len, skip, bs, block_stride,
                       token_stride, off, scores, acc);
 }
 
@@ -434,7 +442,7 @@ FixedTask pick_fixed_task(int64_t group, int64_t head_dim) {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 using Q8Task = void (*)(const float*, const int8_t*, const int8_t*, const int64_t*, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, float*, float*);
+                        int64_t, int64_t, int64_t, float*, float*);
 
 // The int8 task for this shape, or nullptr for the general loops.
 inline Q8Task pick_q8_task(int64_t group, int64_t head_dim) {
@@ -453,10 +461,22 @@ inline std::atomic<bool>& q8_fixed_on() {
   return on;
 }
 
+// The part of a row's context a query sees: from its window's first position `start` (0: the whole
+// context) to the end. Tasks walk whole blocks, so they start at start's block and give the `skip` tokens
+// before start in that block probability 0; blocks before it are never read (a sliding-window sequence
+// has given them back).
+struct Visible {
+  int64_t first_block, len, skip;  // len: tokens from first_block's first one to the end of the context
+};
+inline Visible visible(int64_t context_len, int64_t start, int64_t block_size) {
+  const int64_t first_block = start / block_size;
+  return {first_block, context_len - first_block * block_size, start - first_block * block_size};
+}
+
 // decode_kernel on an int8 cache (rows of head_dim values and a bfloat16 scale); q and out are T.
 template <typename T>
 void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* block_tables,
-                      const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                      const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
   const int64_t group = num_heads / num_kv_heads, row_bytes = head_dim + 2;
   const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
@@ -467,15 +487,16 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t len = context_lens[s];
-      const int64_t* table = block_tables + s * max_blocks;
+      const Visible vis = visible(context_lens[s], starts ? starts[s] : 0, block_size);
+      const int64_t len = vis.len, skip = vis.skip;
+      const int64_t* table = block_tables + s * max_blocks + vis.first_block;
       for (int64_t g = 0; g < group; ++g)
         load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
       scores.assign(group * len, 0.f);
 #if defined(__AVX512F__) || defined(__AVX2__)
       if (fixed != nullptr) {
-        fixed(qf.data(), k_cache, v_cache, table, len, block_size, block_stride, token_stride, kvh * row_bytes,
+        fixed(qf.data(), k_cache, v_cache, table, len, skip, block_size, block_stride, token_stride, kvh * row_bytes,
               scores.data(), acc.data());
       } else
 #endif
@@ -493,7 +514,10 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
             scores[g * len + t] = dot * ks;
           }
         }
-        for (int64_t g = 0; g < group; ++g) softmax_row(scores.data() + g * len, len);
+        for (int64_t g = 0; g < group; ++g) {
+          softmax_row(scores.data() + g * len + skip, len - skip);
+          std::fill_n(scores.data() + g * len, skip, 0.f);
+        }
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t t = 0; t < len; ++t) {
           const int8_t* v = token_row(v_cache, t);
@@ -515,7 +539,7 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
 
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
-                   const int64_t* context_lens, T* out, int64_t num_seqs, int64_t num_heads,
+                   const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
                    float scale) {
   const int64_t group = num_heads / num_kv_heads;
@@ -531,8 +555,9 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
     std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t len = context_lens[s];
-      const int64_t* table = block_tables + s * max_blocks;
+      const Visible vis = visible(context_lens[s], starts ? starts[s] : 0, block_size);
+      const int64_t len = vis.len, skip = vis.skip;
+      const int64_t* table = block_tables + s * max_blocks + vis.first_block;
       const auto token_row = [&](const T* cache, int64_t t) {  // token t's row for this KV head
         return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_dim;
       };
@@ -549,7 +574,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           qrows[g] = reinterpret_cast<const uint16_t*>(q + (s * num_heads + kvh * group + g) * head_dim);
         scores.resize(group * len);
         bf16(qrows, reinterpret_cast<const uint16_t*>(k_cache), reinterpret_cast<const uint16_t*>(v_cache), table, len,
-             block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data());
+             skip, block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data());
         write_out();
         continue;
       }
@@ -560,7 +585,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 #if defined(__AVX512F__) || defined(__AVX2__)
       if (fixed != nullptr) {
         for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
-        fixed(qf.data(), k_cache, v_cache, table, len, block_size, block_stride, token_stride, kvh * head_dim,
+        fixed(qf.data(), k_cache, v_cache, table, len, skip, block_size, block_stride, token_stride, kvh * head_dim,
               scores.data(), acc.data());
         write_out();
         continue;
@@ -585,11 +610,14 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           scores[g * len + t] = dot * scale;
         }
       }
+      for (int64_t g = 0; g < group; ++g) {
 #if defined(__AVX512F__)
-      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * len, len);
+        softmax_inplace(scores.data() + g * len + skip, len - skip);
 #else
-      for (int64_t g = 0; g < group; ++g) softmax_row(scores.data() + g * len, len);
+        softmax_row(scores.data() + g * len + skip, len - skip);
 #endif
+        std::fill_n(scores.data() + g * len, skip, 0.f);
+      }
       std::fill(acc.begin(), acc.end(), 0.f);
 #if defined(__AVX512F__)
       if (head_dim % 16 == 0) {
@@ -617,12 +645,15 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 // q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] of q's dtype, or
 // int8 [blocks, block_size, kv_heads, head_dim + 2] (values and a bfloat16 scale a row);
-// block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64. Returns [seqs, heads, head_dim].
-// Every index is checked before any is used (the kernel reads the cache through them): a context
-// length in 1 .. max_blocks * block_size, and each block id it reaches in 0 .. blocks - 1. Entries of
-// a table past its context are never read and may hold anything.
+// block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64; starts: none, or [seqs] int64, the
+// first position each query sees (a sliding window's: position - window + 1, at least 0). Returns [seqs,
+// heads, head_dim]. Every index is checked before any is used (the kernel reads the cache through them): a
+// context length in 1 .. max_blocks * block_size, a start in 0 .. length - 1, and each block id it reaches
+// in 0 .. blocks - 1. Entries of a table before its start's block or past its context are never read and
+// may hold anything.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor context_lens, double scale,
+                                     c10::optional<torch::Tensor> starts_opt) {
   for (const auto& t : {q, k_cache, v_cache, block_tables, context_lens})
     TORCH_CHECK(t.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -650,12 +681,25 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t max_blocks = block_tables.size(1);
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  torch::Tensor starts_t;
+  const int64_t* starts = nullptr;
+  if (starts_opt.has_value()) {
+    starts_t = starts_opt->contiguous();
+    TORCH_CHECK(starts_t.device().is_cpu() && starts_t.scalar_type() == at::kLong && starts_t.dim() == 1 &&
+                    starts_t.size(0) == num_seqs,
+                "paged_decode_attention: starts must be [seqs] int64 on the CPU for ", num_seqs, " sequences; got ",
+                starts_t.sizes(), " ", starts_t.scalar_type());
+    starts = starts_t.data_ptr<int64_t>();
+  }
   for (int64_t s = 0; s < num_seqs; ++s) {
     TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "paged_decode_attention: context length ",
                 lens[s], " of sequence ", s, " is outside 1..", max_blocks * block_size,
                 " (its block table's ", max_blocks, " blocks of ", block_size, " tokens)");
+    const int64_t first = starts ? starts[s] : 0;
+    TORCH_CHECK(first >= 0 && first < lens[s], "paged_decode_attention: start ", first, " of sequence ", s,
+                " is outside 0..", lens[s] - 1, " (its context length less one)");
     const int64_t* table = tables + s * max_blocks;
-    for (int64_t b = 0, used = (lens[s] + block_size - 1) / block_size; b < used; ++b)
+    for (int64_t b = first / block_size, used = (lens[s] + block_size - 1) / block_size; b < used; ++b)
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block id ", table[b],
                   " at block_tables[", s, "][", b, "] is outside the cache's ", num_blocks, " blocks");
   }
@@ -664,13 +708,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     using scalar_t = decltype(tag);
     if (q8) {
       decode_kernel_q8<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                                 block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                                 block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), starts,
                                  out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                                  max_blocks, static_cast<float>(scale));
       return;
     }
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                            block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), starts,
                             out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
                             max_blocks, static_cast<float>(scale));
   };
@@ -745,7 +789,8 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: the server's event loop goes on while a layer attends
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
+        py::arg("scale"), py::arg("starts") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("use_bf16_path", [](bool on) {

@@ -108,7 +108,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
                      const torch::Tensor& decode_rows, const torch::Tensor& block_tables,
                      const torch::Tensor& context_lens, double scale, bool amx_chunks) {
   if (chunk_starts.numel() == 0)
-    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale);
+    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, c10::nullopt);
   torch::Tensor out = torch::empty(q.sizes(), q.options());
   if (amx_chunks) {
 #ifdef INFER_STEP_AMX
@@ -122,7 +122,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   }
   if (decode_rows.numel() > 0) {
     torch::Tensor od = attention::paged_decode_attention(q.index_select(0, decode_rows), k_cache, v_cache,
-                                                         block_tables, context_lens, scale);
+                                                         block_tables, context_lens, scale, c10::nullopt);
     out.index_copy_(0, decode_rows, od);
   }
   return out;
