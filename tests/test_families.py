@@ -251,6 +251,72 @@ def test_infer_build_refuses_before_any_stage(tmp_path):
     assert not list((tmp_path / "cache").glob("**/load*")), "a stage ran"
 
 
+def test_gemma_rounds_as_transformers_in_bfloat16(tmp_path):
+    """Gemma in bfloat16 rounds where transformers does: the scaled embeddings and every (1 + weight) norm bit
+    for bit (a 1 + weight folded into a bfloat16 weight would not be), each activation as ACT2FN computes it.
+    The C++ step declines GeGLU, so the Python layer loop runs it, on the C++ linears and paged attention
+    where this CPU has them: its logits are transformers' bfloat16 ones to bfloat16 noise, and the engine's
+    greedy tokens are transformers' float32 argmax to that noise."""
+    from transformers.activations import ACT2FN
+
+    from infer.runtime.model.families import HIDDEN_ACTS
+    from infer.runtime.model.llama import ACTIVATIONS
+    from infer.runtime.model.packed_linear import PackedLinear
+
+    ref = _checkpoint(tmp_path / "src", "gemma")
+    artifact = _build(tmp_path, tmp_path / "src", "bfloat16")
+    ref16 = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16).eval()
+    ours = load_model(artifact, dtype=torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 100))
+    scale = torch.tensor(ours.embed_scale, dtype=torch.bfloat16)
+    assert torch.equal(ours.embed_tokens(ids) * scale, ref16.model.embed_tokens(ids))
+    x = torch.randn(50, 48).mul(3).to(torch.bfloat16)
+    for i, layer in enumerate(ours.layers):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            assert torch.equal(getattr(layer, name)(x)[0], getattr(ref16.model.layers[i], name)(x)), (i, name)
+    assert torch.equal(ours.norm(x)[0], ref16.model.norm(x))
+    for act in HIDDEN_ACTS:
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.randn(1000).mul(4).to(dtype)
+            assert torch.equal(ACTIVATIONS[act](g), ACT2FN[act](g)), (act, dtype)
+    with torch.no_grad():
+        want = ref16(ids).logits.float()
+    err = (ours.logits(ids) - want).abs().max().item()
+    print("bfloat16: max |logit diff| vs transformers in bfloat16", err, "logit scale", want.abs().max().item())
+    assert err < 0.03 * max(1.0, want.abs().max().item()), err  # measured 0.008; a norm without its 1 + is off by 1
+
+    llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off")
+    model = llm.engine.model
+    print(model.step_path, model.kernels.describe())
+    assert model.fused_step is None and model.step_path.startswith("python layer loop: hidden_act gelu_pytorch_tanh")
+    if HAS_STEP:  # the C++ kernels this CPU has: bfloat16 linears, paged decode attention
+        assert type(model.layers[0].self_attn.qkv_proj) is PackedLinear
+        assert model.kernels.describe()["decode_attention"] == "cpp"
+    prompts = [[random.randrange(VOCAB) for _ in range(random.randint(20, 90))] for _ in range(2)]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = ref(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        chosen = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        gap = (logp.max(-1).values - chosen).max().item()
+        off = (torch.tensor([a["logprob"] for a in out.logprobs]) - chosen).abs().max().item()
+        print("engine bfloat16: worst argmax gap", gap, "logprob diff", off)
+        assert gap < 0.05 and off < 0.05, (gap, off)
+
+
+def test_gemma_config_keys():
+    """Gemma's activation is hidden_activation where set (its configs pair hidden_act "gelu" with
+    hidden_activation "gelu_pytorch_tanh"), else hidden_act; the head is tied when config.json leaves it out."""
+    cfg = {k: v for k, v in _config("gemma").to_dict().items() if k != "tie_word_embeddings"}
+    assert ModelConfig.from_hf(cfg).tie_word_embeddings
+    assert ModelConfig.from_hf({**cfg, "hidden_act": "gelu"}).hidden_act == "gelu"
+    both = {**cfg, "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}
+    assert ModelConfig.from_hf(both).hidden_act == "gelu_pytorch_tanh"
+    with pytest.raises(UnsupportedConfig, match=r"hidden_activation='relu' is not supported; supported: silu, "):
+        check_config({**both, "hidden_activation": "relu"})
+    assert not ModelConfig.from_hf(_config("mistral").to_dict()).tie_word_embeddings
+
+
 def test_phi3_aliases_and_family_declaration():
     cfg = _config("phi3-longrope").to_dict()
     cfg["rope_parameters"] = {**cfg["rope_parameters"], "rope_type": "su"}
