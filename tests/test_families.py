@@ -306,10 +306,14 @@ def test_gemma_rounds_as_transformers_in_bfloat16(tmp_path):
 
 def test_gemma_config_keys():
     """Gemma's activation is hidden_activation where set (its configs pair hidden_act "gelu" with
-    hidden_activation "gelu_pytorch_tanh"), else hidden_act; the head is tied when config.json leaves it out."""
+    hidden_activation "gelu_pytorch_tanh"), else hidden_act, else transformers' default; the head is tied when
+    config.json leaves it out."""
     cfg = {k: v for k, v in _config("gemma").to_dict().items() if k != "tie_word_embeddings"}
     assert ModelConfig.from_hf(cfg).tie_word_embeddings
     assert ModelConfig.from_hf({**cfg, "hidden_act": "gelu"}).hidden_act == "gelu"
+    assert ModelConfig.from_hf({k: v for k, v in cfg.items() if k != "hidden_act"}).hidden_act == "gelu_pytorch_tanh"
+    assert ModelConfig.from_hf({k: v for k, v in _config("llama3").to_dict().items() if k != "hidden_act"}).hidden_act \
+        == "silu"
     both = {**cfg, "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"}
     assert ModelConfig.from_hf(both).hidden_act == "gelu_pytorch_tanh"
     with pytest.raises(UnsupportedConfig, match=r"hidden_activation='relu' is not supported; supported: silu, "):

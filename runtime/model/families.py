@@ -63,6 +63,7 @@ class Family:
     # transformers 4.x read it (Gemma's configs pair hidden_act "gelu" with hidden_activation "gelu_pytorch_tanh",
     # the GELU it was trained with; transformers 5 reads hidden_act alone)
     act_keys: tuple[str, ...] = ("hidden_act",)
+    default_act: str = "silu"  # where config.json names none (transformers' class default)
     # Gemma: embeddings times sqrt(hidden_size) (in the model's dtype), RMSNorm scaling by (1 + weight)
     embed_scale: bool = False
     norm_offset: bool = False
@@ -77,7 +78,8 @@ FAMILIES = {f.model_type: f for f in (
     Family("phi3", "Phi-3, Phi-3.5 mini, Phi-4-mini", attention_bias="none", packed_checkpoint=True, partial_rotary=True,
            rope_types=("default", "longrope"), rope_aliases={"su": "longrope", "yarn": "longrope"}),
     Family("gemma", "Gemma 1 (2B, 7B), CodeGemma", attention_bias="attention_bias",
-           act_keys=("hidden_activation", "hidden_act"), embed_scale=True, norm_offset=True, tied_default=True),
+           act_keys=("hidden_activation", "hidden_act"), default_act="gelu_pytorch_tanh", embed_scale=True,
+           norm_offset=True, tied_default=True),
 )}
 
 
@@ -106,10 +108,12 @@ def partial_rotary_factor(cfg: dict) -> float:
     return float(rope_parameters(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0))
 
 
-def hidden_act_key(cfg: dict) -> str:
-    """The config key that names the MLP's activation for this config's family (Family.act_keys)."""
-    keys = FAMILIES[cfg["model_type"]].act_keys
-    return next((k for k in keys if cfg.get(k) is not None), keys[-1])
+def hidden_act(cfg: dict) -> tuple[str, str]:
+    """(the config key naming the MLP's activation, the activation): the first of the family's act_keys that
+    is set, else its default_act."""
+    family = FAMILIES[cfg["model_type"]]
+    key = next((k for k in family.act_keys if cfg.get(k) is not None), None)
+    return (key, cfg[key]) if key else (family.act_keys[-1], family.default_act)
 
 
 def sliding_window(cfg: dict) -> int | None:
@@ -149,9 +153,9 @@ def check_config(cfg: dict) -> Family:
                                 f"implemented; supported: {', '.join(FAMILIES)} (gemma: Gemma 1)")
     if family is None:
         raise UnsupportedConfig(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
-    key = hidden_act_key(cfg)
-    if cfg.get(key, "silu") not in HIDDEN_ACTS:
-        raise _refuse(key, cfg[key], ", ".join(HIDDEN_ACTS))
+    key, act = hidden_act(cfg)
+    if act not in HIDDEN_ACTS:
+        raise _refuse(key, act, ", ".join(HIDDEN_ACTS))
     if cfg.get("use_bidirectional_attention"):
         raise _refuse("use_bidirectional_attention", cfg["use_bidirectional_attention"], "null or false (causal)")
     raw = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act_key, layer_windows, partial_rotary_factor,
+from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act, layer_windows, partial_rotary_factor,
                        rope_parameters)
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
@@ -114,7 +114,7 @@ class ModelConfig:
             rope_scaling=scaling,
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             layer_windows=layer_windows(cfg),
-            hidden_act=cfg.get(hidden_act_key(cfg)) or "silu",
+            hidden_act=hidden_act(cfg)[1],
             embed_scale=family.embed_scale,
             norm_offset=family.norm_offset,
         )
