@@ -69,6 +69,14 @@ class QuantPlan:
         return out
 
 
+# the families (runtime/model/families.py) llm-compressor quantizes here: a decoder layer class for its sequential
+# pipeline and AWQ smoothing mappings for each (llmcompressor AWQ_MAPPING_REGISTRY: Llama's for llama, qwen2,
+# qwen3, mistral; Phi-3's own for its fused qkv_proj / gate_up_proj)
+QUANTIZABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
+# methods that fold scales into the RMSNorm weight before the linears: wrong where the norm multiplies by
+# (1 + weight) (Gemma), and llm-compressor has no Gemma 1 mapping that knows it
+SMOOTHING = {"awq": "AWQ", "w8a8": "SmoothQuant"}
+ONE_PLUS_NORMS = ("gemma",)
 FLOAT_WIDENED = ("fp8", "w8a8")  # quant.auto's wider format for these: float (the layer joins quant.ignore)
 
 
@@ -105,7 +113,7 @@ def smoothing_candidates(cfg: BuildConfig) -> list[float]:
 
 
 def model_linears(config: dict) -> list[HFLinear]:
-    """Every nn.Linear of a Llama/Qwen2 checkpoint, by HF name, from its config.json alone (the
+    """Every nn.Linear of a checkpoint, by HF name, from its config.json alone (the
     runtime's declared layout, so what is quantized here is what the runtime fuses)."""
     return [part for fused in linear_layout(ModelConfig.from_hf(config)) for part in fused.parts]
 
@@ -125,9 +133,15 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
         raise QuantError(f"quant.method={method}: the source checkpoint is already quantized "
                          f"({config['quantization_config'].get('quant_method')}); build it with quant=none "
                          f"to package it as it is")
-    if config.get("model_type") not in ("llama", "qwen2"):
+    if config.get("model_type") not in QUANTIZABLE:
         raise QuantError(f"quant.method={method}: model_type {config.get('model_type')!r} is not supported; "
-                         f"supported: llama, qwen2")
+                         f"supported: {', '.join(QUANTIZABLE)}; build it with quant=none")
+    if config.get("model_type") in ONE_PLUS_NORMS and method in SMOOTHING and not (
+            method == "w8a8" and smoothing_candidates(cfg) == [0.0]):
+        raise QuantError(f"quant.method={method}: {SMOOTHING[method]} folds its scales into the RMSNorm weights, which "
+                         f"model_type {config['model_type']!r} applies as (1 + weight), and llm-compressor has no "
+                         f"mapping for it; use quant.method=gptq or fp8" + (", or w8a8 with quant.smoothing_strength=0"
+                                                                            if method == "w8a8" else ""))
     linears = model_linears(config)
     for pattern in q.ignore:
         if pattern.startswith("re:"):

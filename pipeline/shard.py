@@ -1,4 +1,4 @@
-"""The shard stage: one HF Llama/Qwen2 checkpoint in, ``parallel.tp`` per-rank checkpoints out.
+"""The shard stage: one HF checkpoint of a family in ``SHARDABLE`` in, ``parallel.tp`` per-rank checkpoints out.
 
 Runs after quantize (``parallel.tp > 1``; tp=1 is no stage), so quantized layers are split on
 their group boundaries instead of being re-quantized per rank.
@@ -27,21 +27,28 @@ A sharded checkpoint directory holds:
 - ``column``, ``row``, ``vocab``: the contiguous chunk r along ``dim`` (chunks in rank order; their
   sizes are ``local_shapes[r][dim]``). ``column`` and ``row`` chunks are equal; ``vocab`` chunks
   may differ by one row (the first ``V % N`` ranks get one more);
+- ``column_parts``: a linear the checkpoint stores fused (Phi-3's ``qkv_proj`` = [q; k; v] and
+  ``gate_up_proj`` = [gate; up]): ``parts`` are its parts' sizes along ``dim`` (0), and rank r holds
+  chunk r of each part, concatenated in part order ([q_r; k_r; v_r]): the fused linear of its own
+  heads, which is what the runtime loads for a rank. Merging puts each part back together first;
 - ``replicated``: the whole tensor, identical in every rank;
 - ``shape``: a compressed-tensors ``weight_shape`` ([2] integers): rank r holds the [out, in] of
   its own slice of that linear; ``dim`` is the linear's split dim (0 column, 1 row), and the whole
   value is rank 0's with entry ``dim`` replaced by the sum over ranks.
 
 What is split how, and why (Megatron's scheme, the one vLLM and TensorRT-LLM use):
-- q/k/v (weights and biases) and gate/up are **column**-parallel (dim 0, the output features):
+- q/k/v (weights and biases) and gate/up, fused or not, are **column**-parallel (dim 0, the output features):
   HF stores heads contiguously, so equal chunks give each rank num_attention_heads/N query heads
   and num_key_value_heads/N KV heads (whole GQA groups: rank r's queries use only rank r's KV
   heads), and intermediate_size/N MLP channels. A rank runs attention and SiLU(gate)*up on its
   own heads/channels with no communication.
 - o_proj and down_proj are **row**-parallel (dim 1, the input features): each rank multiplies its
   own slice of the activations, and the sum over ranks (one all-reduce per block) is the output.
-  A row-parallel bias (none in Llama/Qwen2) is replicated and must be added once, after the sum.
-- RMSNorm weights are replicated.
+  A row-parallel bias (Llama's attention_bias / mlp_bias, Qwen3's attention_bias) is replicated and
+  must be added once (runtime/parallel/layers.py).
+- RMSNorm weights are replicated, Qwen3's per-head q/k norms too (they are [head_dim], the same for
+  every head). A partial rotary (Phi-4-mini) needs nothing here: the runtime reorders each head's
+  q/k dims at load, per head, so a rank's whole heads reorder alike.
 - Embedding and LM head are **replicated** (``vocab_parallel=True`` gives ``vocab`` splits, kept for
   GPU-sized vocabularies). Why: the token embedding is a row lookup, which vocab-parallel would
   turn into a masked lookup plus an all-reduce of [tokens, hidden] every step; and the sampler
@@ -56,7 +63,7 @@ What is split how, and why (Megatron's scheme, the one vLLM and TensorRT-LLM use
 Quantized (compressed-tensors) linears are split on their packing and group boundaries:
 ``weight_packed`` [N, K*bits/32] and int8/fp8 ``weight`` split like the float weight; column-parallel
 splits the rows of ``weight_scale`` [N, G] and of the packed zero points [N*bits/32, G] (so
-N/tp must fill whole int32 words: a multiple of 8 for 4-bit); row-parallel splits K, which must
+N/tp, and each fused part's size / tp, must fill whole int32 words: a multiple of 8 for 4-bit); row-parallel splits K, which must
 stay a multiple of the group size and fill whole words, and splits the scales' groups (dim 1).
 Per-channel ([N, 1]) and per-tensor scales are replicated under row parallelism, and
 ``input_scale`` always is. Activation order (``weight_g_idx``): column-parallel replicates g_idx;
@@ -87,7 +94,9 @@ from infer.runtime.artifact import CONFIG, INDEX, LAYOUT_FILE, LAYOUT_FORMAT, LA
 
 from .stage import copy_carried_files
 
-SPLITS = ("column", "row", "vocab", "replicated", "shape")
+SPLITS = ("column", "column_parts", "row", "vocab", "replicated", "shape")
+# the families (runtime/model/families.py) whose tensors plan() has a rule for
+SHARDABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
 
 # safetensors dtype codes and their torch dtypes (bytes per element: the dtype's itemsize)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -205,10 +214,15 @@ class Split:
     kind: str  # one of SPLITS
     dim: int | None
     sizes: tuple[int, ...] | None = None  # chunk sizes along dim (column/row/vocab)
+    parts: tuple[int, ...] | None = None  # column_parts: the fused parts' sizes along dim, each split equally
 
-    def bounds(self, rank: int) -> tuple[int, int]:
+    def bounds(self, rank: int) -> list[tuple[int, int]]:
+        """The [begin, end) ranges along dim that rank ``rank`` holds, in order."""
+        if self.kind == "column_parts":
+            tp, starts = len(self.sizes), [sum(self.parts[:i]) for i in range(len(self.parts))]
+            return [(s + rank * p // tp, s + (rank + 1) * p // tp) for s, p in zip(starts, self.parts)]
         begin = sum(self.sizes[:rank])
-        return begin, begin + self.sizes[rank]
+        return [(begin, begin + self.sizes[rank])]
 
     def local_shape(self, shape: tuple[int, ...], rank: int) -> tuple[int, ...]:
         if self.kind in ("replicated", "shape"):
@@ -239,8 +253,8 @@ def check_tp(config: dict, tp: int, group_size: int | None = None) -> None:
     """Fails before any work when the model cannot be split into ``tp`` ranks of whole heads (and,
     given the quantization group size it is about to be quantized with, of whole groups)."""
     arch = (config.get("architectures") or ["?"])[0]
-    if config.get("model_type") not in ("llama", "qwen2"):
-        raise ShardError(f"parallel.tp={tp}: sharding knows Llama and Qwen2 checkpoints, not {arch} "
+    if config.get("model_type") not in SHARDABLE:
+        raise ShardError(f"parallel.tp={tp}: sharding knows model_type {', '.join(SHARDABLE)}, not {arch} "
                          f"(model_type {config.get('model_type')!r}); build it with parallel.tp=1")
     for key, value, why in (("num_attention_heads", config["num_attention_heads"], "each rank needs whole query heads"),
                             ("num_key_value_heads", _kv_heads(config), "each rank needs whole KV heads"),
@@ -256,8 +270,9 @@ def check_tp(config: dict, tp: int, group_size: int | None = None) -> None:
             raise ShardError(_group_error(f"model.layers.*.{layer}", k, tp, group_size))
 
 
-_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.(\w+)$")
-_NORM = re.compile(r"^model\.(layers\.\d+\.(input_layernorm|post_attention_layernorm)|norm)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.(\w+)$")
+_NORM = re.compile(r"^model\.(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)|norm)"
+                   r"\.weight$")
 _VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.(\w+)$")
 _ROW_MODULES = ("o", "down")
 
@@ -281,18 +296,30 @@ def plan(config: dict, tensors: dict[str, TensorInfo], tp: int, vocab_parallel: 
         elif m := _LAYER.match(name):
             modules.setdefault(name.rsplit(".", 1)[0], {})[m.group(4)] = info
         else:
-            raise ShardError(f"{name}: no tensor-parallel rule for this tensor (sharding knows Llama/Qwen2 "
-                             f"attention, MLP, norm and embedding tensors); build with parallel.tp=1")
+            raise ShardError(f"{name}: no tensor-parallel rule for this tensor (sharding knows the attention, MLP, "
+                             f"norm and embedding tensors of {', '.join(SHARDABLE)}); build with parallel.tp=1")
+    fused = _fused_parts(config)
     for module, parts in modules.items():
-        row = module.rsplit(".", 1)[1].split("_")[0] in _ROW_MODULES
-        for suffix, split in _linear_plan(module, parts, tp, row).items():
+        kind = module.rsplit(".", 1)[1]
+        row = kind.split("_")[0] in _ROW_MODULES
+        for suffix, split in _linear_plan(module, parts, tp, row, fused.get(kind)).items():
             out[f"{module}.{suffix}"] = split
     return out
 
 
-def _linear_plan(module: str, parts: dict[str, TensorInfo], tp: int, row: bool) -> dict[str, Split]:
+def _fused_parts(config: dict) -> dict[str, tuple[int, ...]]:
+    """The output sizes of the parts of the linears a checkpoint stores fused (Phi-3's)."""
+    heads, kv = config["num_attention_heads"], _kv_heads(config)
+    d = config.get("head_dim") or config["hidden_size"] // heads
+    inter = config["intermediate_size"]
+    return {"qkv_proj": (heads * d, kv * d, kv * d), "gate_up_proj": (inter, inter)}
+
+
+def _linear_plan(module: str, parts: dict[str, TensorInfo], tp: int, row: bool,
+                 fused: tuple[int, ...] | None = None) -> dict[str, Split]:
     """One linear's tensors (float, or compressed-tensors pack/int/float-quantized) split on whole
-    int32 words and whole quantization groups."""
+    int32 words and whole quantization groups. ``fused``: the output sizes of the parts of a linear
+    the checkpoint stores fused (each part is split on its own: column_parts)."""
     kind = "row" if row else "column"
     if "weight_packed" in parts:
         if "weight_shape" not in parts:
@@ -308,6 +335,14 @@ def _linear_plan(module: str, parts: dict[str, TensorInfo], tp: int, row: bool) 
     else:
         raise ShardError(f"{module}: no 2-D weight or weight_packed; cannot shard it")
     split_size = k if row else n
+    if fused is not None and sum(fused) != n:
+        raise ShardError(f"{module}: {n} output features, but config.json's heads and intermediate_size make its "
+                         f"parts {list(fused)} (sum {sum(fused)}); the checkpoint does not match its config.json")
+    fused = fused if fused is not None and not row else None
+    bad = [p for p in fused or () if p % tp]
+    if bad:
+        raise ShardError(f"{module}: a fused part of {bad[0]} output features is not divisible by tp={tp}; use a "
+                         f"parallel.tp that divides num_attention_heads, num_key_value_heads and intermediate_size")
     if split_size % tp:
         raise ShardError(f"{module}: {'in' if row else 'out'}_features={split_size} is not divisible by tp={tp}; "
                          f"use a parallel.tp that divides it")
@@ -321,11 +356,11 @@ def _linear_plan(module: str, parts: dict[str, TensorInfo], tp: int, row: bool) 
         if suffix in ("weight", "weight_packed"):
             if suffix == "weight_packed" and row and local % per_word:
                 raise ShardError(_words_error(module, "in", k, tp, local, per_word, bits))
-            plan[suffix] = Split(kind, dim, _equal(shape[dim], tp))
+            plan[suffix] = _column(shape[0], tp, fused) if not row else Split(kind, dim, _equal(shape[dim], tp))
         elif suffix == "bias":
-            plan[suffix] = Split("replicated", None) if row else Split("column", 0, _equal(shape[0], tp))
+            plan[suffix] = Split("replicated", None) if row else _column(shape[0], tp, fused)
         elif suffix in ("weight_scale", "weight_zero_point"):
-            plan[suffix] = _scale_plan(module, suffix, info, n, k, tp, row, bits, per_word, act_order)
+            plan[suffix] = _scale_plan(module, suffix, info, n, k, tp, row, bits, per_word, act_order, fused)
         elif suffix == "weight_g_idx":
             plan[suffix] = Split("row", 0, _equal(k, tp)) if row else Split("replicated", None)
         elif suffix == "weight_shape":
@@ -337,16 +372,25 @@ def _linear_plan(module: str, parts: dict[str, TensorInfo], tp: int, row: bool) 
     return plan
 
 
-def _scale_plan(module, suffix, info, n, k, tp, row, bits, per_word, act_order) -> Split:
+def _column(rows: int, tp: int, fused: tuple[int, ...] | None, per_row: int = 1) -> Split:
+    """A column split of ``rows`` rows; of each fused part on its own where the linear is fused
+    (``per_row``: output features per stored row, 8 for 4-bit zero points packed along the output)."""
+    if fused is None:
+        return Split("column", 0, _equal(rows, tp))
+    return Split("column_parts", 0, _equal(rows, tp), tuple(p // per_row for p in fused))
+
+
+def _scale_plan(module, suffix, info, n, k, tp, row, bits, per_word, act_order, fused=None) -> Split:
     shape = info.shape
     if math.prod(shape) <= 1:  # per-tensor
         return Split("replicated", None)
     packed = suffix == "weight_zero_point" and info.dtype == "I32" and bits is not None
     if not row:
-        if packed and (n // tp) % per_word:
-            raise ShardError(_words_error(module, "out", n, tp, n // tp, per_word, bits, "zero points are packed "
-                                          "along the output dim"))
-        return Split("column", 0, _equal(shape[0], tp))
+        for size in fused or (n,):
+            if packed and (size // tp) % per_word:
+                raise ShardError(_words_error(module, "out", size, tp, size // tp, per_word, bits,
+                                              "zero points are packed along the output dim"))
+        return _column(shape[0], tp, fused, per_word if packed else 1)
     if len(shape) == 1 or shape[1] == 1 or act_order:  # per channel, or act-order groups any rank may use
         return Split("replicated", None)
     groups = shape[1]
@@ -369,12 +413,14 @@ def _words_error(module, side, size, tp, local, per_word, bits, why="int32 packi
 
 def layout(tensors: dict[str, TensorInfo], splits: dict[str, Split], tp: int) -> dict:
     """The content of tensor_parallel.json."""
+    def entry(name: str, s: Split) -> dict:
+        out = {"split": s.kind, "dim": s.dim, "dtype": tensors[name].dtype, "shape": list(tensors[name].shape),
+               "local_shapes": [list(s.local_shape(tensors[name].shape, r)) for r in range(tp)]}
+        return out if s.parts is None else {**out, "parts": list(s.parts)}
+
     return {"format": LAYOUT_FORMAT, "format_version": LAYOUT_VERSION, "tp_size": tp,
             "ranks": [rank_file(r) for r in range(tp)],
-            "tensors": {name: {"split": s.kind, "dim": s.dim, "dtype": tensors[name].dtype,
-                               "shape": list(tensors[name].shape),
-                               "local_shapes": [list(s.local_shape(tensors[name].shape, r)) for r in range(tp)]}
-                        for name, s in sorted(splits.items())}}
+            "tensors": {name: entry(name, s) for name, s in sorted(splits.items())}}
 
 
 # ---------------------------------------------------------------------------- the stage
@@ -403,8 +449,8 @@ def shard(checkpoint: Path, out: Path, tp: int, vocab_parallel: bool = False) ->
                     w.write(name, local)
             else:
                 for r, w in enumerate(writers):
-                    begin, end = s.bounds(r)
-                    w.write(name, read_tensor(info.file, name, s.dim, begin, end))
+                    chunks = [read_tensor(info.file, name, s.dim, begin, end) for begin, end in s.bounds(r)]
+                    w.write(name, chunks[0] if len(chunks) == 1 else torch.cat(chunks, s.dim))
     finally:
         for w in writers:
             w.file.close()

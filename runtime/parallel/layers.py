@@ -5,7 +5,11 @@ KV heads and MLP channels. The column-parallel linears (q/k/v, gate/up) then nee
 loader fuses the rank's slices (whole heads, pipeline/shard.py) into smaller linears, and attention
 and SiLU(gate)*up run on the rank's own heads and channels. The row-parallel ones (o_proj,
 down_proj) multiply the rank's slice of the activations, so the block's output is the sum over the
-ranks: ``RowParallel`` wraps them and all-reduces their output, then adds a bias once, after the sum.
+ranks: ``RowParallel`` wraps them and all-reduces their output, with a bias added once.
+
+Every family's rank model is this one (Qwen3's per-head q/k norms and a partial rotary's per-head dim order
+act within a head, so whole heads need nothing more). The C++ step (runtime/model/fused_step.py) runs all
+layers in one call with no all-reduce between them, so a rank's model runs the Python layer loop.
 """
 
 from __future__ import annotations
@@ -50,27 +54,39 @@ class AllReduce:
 
 
 class RowParallel(nn.Module):
-    """A row-parallel linear: the wrapped linear on this rank's input slice, summed over the ranks."""
+    """A row-parallel linear: the wrapped linear on this rank's input slice, summed over the ranks.
 
-    def __init__(self, inner: nn.Module, reduce: AllReduce):
+    A bias (Llama's attention_bias / mlp_bias, Qwen3's attention_bias) is in every rank's file
+    (replicated) and must count once: a float nn.Linear's is taken out and added after the sum; a
+    quantized or prepacked linear keeps its own inside its kernel (some add it in float32 before
+    rounding), so there rank 0 keeps it and every other rank zeroes its copy."""
+
+    def __init__(self, inner: nn.Module, reduce: AllReduce, rank: int):
         super().__init__()
         self.inner, self.reduce = inner, reduce
         self.bias = None
-        if getattr(inner, "bias", None) is not None:  # none in Llama/Qwen2; replicated, so added once
-            if type(inner) is not nn.Linear:
-                raise ValueError(f"a row-parallel {type(inner).__name__} with a bias is not supported")
-            self.bias, inner.bias = inner.bias, None
+        if getattr(inner, "bias", None) is not None:
+            if type(inner) is nn.Linear:
+                self.bias, inner.bias = inner.bias, None
+            elif rank != 0:
+                with torch.no_grad():
+                    for name in ("bias", "bias_f32"):
+                        if getattr(inner, name, None) is not None:
+                            getattr(inner, name).zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.reduce(self.inner(x))
         return y if self.bias is None else y + self.bias
 
 
-def make_row_parallel(model: Transformer, reduce: AllReduce) -> Transformer:
-    """Wraps every block's o_proj and down_proj (after any packing: the wrapper keeps what it wraps)."""
+def make_row_parallel(model: Transformer, reduce: AllReduce, rank: int) -> Transformer:
+    """Wraps every block's o_proj and down_proj (after any packing: the wrapper keeps what it wraps); the
+    C++ step, which has no all-reduce between layers, is switched off."""
     for layer in model.layers:
-        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, reduce)
-        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, reduce)
+        layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, reduce, rank)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, reduce, rank)
+    model.fused_step = None
+    model.step_path = "python layer loop: a tensor-parallel rank (the C++ step has no all-reduce between layers)"
     return model
 
 
@@ -83,4 +99,4 @@ def load_slice(artifact, rank: int, tp: int, dtype, kernels, tuning, reduce: All
     cfg = rank_config(ModelConfig.from_hf(artifact.config), tp)
     model = load_model(artifact.path, dtype, kernels, hf_config=artifact.config, files=[rank_file(artifact, rank)],
                        tuning=tuning, config=cfg)
-    return make_row_parallel(model, reduce)
+    return make_row_parallel(model, reduce, rank)

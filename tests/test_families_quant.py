@@ -1,0 +1,189 @@
+"""Every model family (tests/test_families.py's cases) built quantized (GPTQ W4A16) and sharded (tp=2), each
+checked against transformers: the W4A16 artifact is a compressed-tensors checkpoint that transformers loads
+itself, so both sides compute the same integer weights; a tp=2 build's logits (every rank taking part) and
+greedy tokens against the float model's, and a quantized tp=2 build against transformers on the checkpoint its
+quantize stage wrote. What cannot be sharded (a KV head per rank at least) is refused before quantizing."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from infer.pipeline.shard import ShardError, check_tp
+from infer.pipeline.stage import BuildError
+from infer.runtime import LLM, SamplingParams
+from infer.runtime.model import load_model
+from infer.runtime.model.quant_linear import INT4_CPU_BACKENDS, disabled_backends, quantized_modules
+from test_families import CASES, CONTEXT, ORIGINAL, PROMPT, VOCAB, _build, _checkpoint, _config
+
+# W4A16 in groups of 16 (divides every layer's input, and each rank's half of o_proj's and down_proj's), a few
+# seconds of calibration; the LM head stays float (the layer that dominates a tiny model's logits)
+QUANT = ("quant.method=gptq", "quant.bits=4", "quant.group_size=16", "quant.ignore=[lm_head]", "calib.samples=4",
+         "calib.seq_len=32")
+# Gemma's case has one KV head (Gemma 2B's): it cannot be split over two ranks (test_tp_is_refused_...)
+TP_CASES = [c for c in CASES if _config(c).num_key_value_heads % 2 == 0]
+NEW_TOKENS = 24
+
+
+def _quant(tmp_path) -> list[str]:
+    """QUANT with calibration text in the test tokenizer's words ("t17 t203 ..."): varied tokens to calibrate on."""
+    data = tmp_path / "calib.txt"
+    data.write_text("\n\n".join(" ".join(f"t{random.randrange(VOCAB)}" for _ in range(100)) for _ in range(8)))
+    return [*QUANT, f"calib.data={data}"]
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, random.randint(ORIGINAL + 20, CONTEXT)))
+
+
+def _greedy(ref, prompts: list[list[int]]) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
+def _served(artifact, ids: torch.Tensor, prompts: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
+    """A tp=2 artifact served in float32: its whole-sequence logits (every rank taking part) and greedy tokens
+    through the engine (prompts past the original context, chunked)."""
+    with LLM(artifact, dtype="float32", kv_cache_memory=8 << 20, tuning="off", max_num_batched_tokens=48) as llm:
+        model = llm.engine.model
+        assert len(llm.engine.ranks.procs) == 1 and model.fused_step is None
+        assert model.step_path.startswith("python layer loop: a tensor-parallel rank"), model.step_path
+        logits = model.logits(ids)
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return logits, [o.token_ids for o in outs]
+
+
+def _prompts() -> list[list[int]]:
+    return [[random.randrange(VOCAB) for _ in range(PROMPT)] for _ in range(2)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case):
+    float_model = _checkpoint(tmp_path / "src", case)
+    artifact = _build(tmp_path, tmp_path / "src", "float32", *_quant(tmp_path))
+    q = json.loads((artifact / "config.json").read_text())["quantization_config"]
+    assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
+    assert json.loads((artifact / "manifest.json").read_text())["quantize"]["method"] == "gptq"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
+    ids = _ids()
+    with torch.no_grad():
+        want, unquantized = ref(ids).logits, float_model(ids).logits
+    scale = want.abs().max().item()
+
+    # the same integer weights computed in float32 by plain torch ops: only the layout can differ
+    with disabled_backends(*INT4_CPU_BACKENDS):
+        exact = load_model(artifact, torch.float32, "torch")
+        floor_model = load_model(artifact, torch.bfloat16, "torch")
+    assert list(quantized_modules(exact).values()) == ["dequant"] * (4 * exact.config.num_layers)
+    exact_err = (exact.logits(ids) - want).abs().max().item()
+    # as served (bfloat16, the int4 kernels), against plain torch ops in bfloat16 on the same weights
+    served = load_model(artifact)
+    assert served.dtype == torch.bfloat16 and set(quantized_modules(served).values()) <= {*INT4_CPU_BACKENDS, "dequant"}
+    served_err = (served.logits(ids) - want).abs().max().item()
+    floor = (floor_model.logits(ids) - want).abs().max().item()
+    effect = (want - unquantized).abs().max().item()
+    print(case, "length", ids.shape[1], "logit scale", scale, "| float32 dequant", exact_err, "| served",
+          set(quantized_modules(served).values()), served_err, "| bf16 torch floor", floor, "| int4 vs float", effect)
+    assert exact_err < 1e-5 * max(1.0, scale), exact_err  # measured: 0 to 5e-7
+    assert served_err < 3 * floor + 2e-3, (served_err, floor)  # measured: served 4e-3 to 7e-3
+    assert effect > 100 * max(exact_err, 1e-6), "the artifact's weights are not the quantized ones"
+
+
+@pytest.mark.parametrize("case", TP_CASES)
+def test_tp2_build_matches_transformers(tmp_path, case):
+    ref = _checkpoint(tmp_path / "src", case)
+    artifact = _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2")
+    layout = json.loads((artifact / "tensor_parallel.json").read_text())["tensors"]
+    cfg = _config(case)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    attn = "model.layers.0.self_attn."
+    if cfg.model_type == "phi3":  # fused in the checkpoint: each rank gets its q, k and v heads, its gate and up
+        assert layout[attn + "qkv_proj.weight"]["split"] == "column_parts"
+        assert layout[attn + "qkv_proj.weight"]["parts"] == [cfg.num_attention_heads * d,
+                                                               cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
+        assert layout["model.layers.0.mlp.gate_up_proj.weight"]["parts"] == [cfg.intermediate_size] * 2
+    if cfg.model_type == "qwen3":
+        assert layout[attn + "q_norm.weight"]["split"] == layout[attn + "k_norm.weight"]["split"] == "replicated"
+
+    ids, prompts = _ids(), _prompts()
+    with torch.no_grad():
+        want = ref(ids).logits
+    got, tokens = _served(artifact, ids, prompts)
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    print(case, "tp=2 float32: length", ids.shape[1], "max |logit diff|", err, "logit scale", scale)
+    assert err < 1e-5 * max(1.0, scale), err  # measured: 2e-7 to 5e-7 (the row-parallel sums' order)
+    assert tokens == _greedy(ref, prompts)
+
+
+@pytest.mark.parametrize("case", ["phi4-partial", "llama-bias-dynamic", "qwen3"])
+def test_w4a16_tp2_matches_transformers_on_the_quantized_checkpoint(tmp_path, monkeypatch, case):
+    """Quantized, then sharded: Phi-4-mini's fused int4 qkv_proj (values, group scales) split per part with its
+    partial rotary reordered per rank, Llama's row-parallel biases counted once, Qwen3's q/k norms. Every rank
+    dequantizes (int4 kernels off), so the float32 logits must equal transformers' on the checkpoint the quantize
+    stage wrote, up to the order of sums."""
+    _checkpoint(tmp_path / "src", case)
+    quant = _quant(tmp_path)
+    assert _build(tmp_path, tmp_path / "src", "float32", *quant) == tmp_path / "out"
+    single = shutil.move(tmp_path / "out", tmp_path / "tp1")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32).eval()
+    artifact = _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2", *quant)  # same cache: same quantize
+    stages = [json.loads((a / "manifest.json").read_text())["stages"] for a in (single, artifact)]
+    assert stages[0]["quantize"] == stages[1]["quantize"] and "shard" in stages[1]
+    layout = json.loads((artifact / "tensor_parallel.json").read_text())["tensors"]
+    packed = [t["split"] for n, t in layout.items() if n.endswith(("qkv_proj.weight_packed", "q_proj.weight_packed"))]
+    assert packed and set(packed) == {"column_parts" if case.startswith("phi") else "column"}
+
+    monkeypatch.setenv("INFER_LINEAR_BACKENDS_DISABLE", ",".join(INT4_CPU_BACKENDS))  # inherited by rank 1
+    ids, prompts = _ids(), _prompts()
+    with torch.no_grad():
+        want = ref(ids).logits
+    got, tokens = _served(artifact, ids, prompts)
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    print(case, "W4A16 tp=2, dequantized in float32: length", ids.shape[1], "max |logit diff|", err, "scale", scale)
+    assert err < 1e-5 * max(1.0, scale), err
+    assert tokens == _greedy(ref, prompts)
+
+
+@pytest.mark.parametrize("case,tp,match", [
+    ("qwen3", 4, r"parallel.tp=4: num_key_value_heads=2 is not divisible by 4 \(each rank needs whole KV heads\).*"
+                 r"\[1, 2\]"),
+    ("gemma", 2, r"parallel.tp=2: num_key_value_heads=1 is not divisible by 2 .*: \[1\]"),
+])
+def test_tp_that_splits_a_kv_head_is_refused_before_quantizing(tmp_path, case, tp, match):
+    """Replaces tests/test_families.py's Qwen3 refusal: every family shards now, but not into part of a KV
+    head; the build stops after the load stage, before calibration, naming the sizes that would work."""
+    _checkpoint(tmp_path / "src", case)
+    with pytest.raises(BuildError, match=match):
+        _build(tmp_path, tmp_path / "src", "float32", f"parallel.tp={tp}", *_quant(tmp_path))
+    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "cache").glob("stages/quantize*/*")), "the quantize stage ran"
+
+
+def test_a_family_sharding_has_no_rule_for_is_refused_naming_the_known_ones():
+    cfg = {**_config("mistral").to_dict(), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
+    with pytest.raises(ShardError, match=r"parallel.tp=2: sharding knows model_type llama, qwen2, qwen3, mistral, "
+                                         r"phi3, gemma, not Gemma2ForCausalLM \(model_type 'gemma2'\); build it with "
+                                         r"parallel.tp=1"):
+        check_tp(cfg, 2)
+
+
+@pytest.mark.parametrize("method", ["awq", "w8a8"])
+def test_gemma_refuses_smoothing_methods_before_calibrating(tmp_path, method):
+    """AWQ and SmoothQuant fold scales into the RMSNorm weight, which Gemma multiplies by as (1 + weight)."""
+    _checkpoint(tmp_path / "src", "gemma")
+    with pytest.raises(BuildError, match=rf"quant.method={method}: .* folds its scales into the RMSNorm weights, "
+                                         r"which model_type 'gemma' applies as \(1 \+ weight\).*use quant.method=gptq"):
+        _build(tmp_path, tmp_path / "src", "float32", f"quant.method={method}", "quant.bits=4" if method == "awq"
+               else "quant.bits=8", "quant.group_size=16" if method == "awq" else "quant.group_size=-1")
+    assert not list((tmp_path / "cache").glob("stages/quantize*/*"))
