@@ -63,8 +63,9 @@ What is split how, and why (Megatron's scheme, the one vLLM and TensorRT-LLM use
 Quantized (compressed-tensors) linears are split on their packing and group boundaries:
 ``weight_packed`` [N, K*bits/32] and int8/fp8 ``weight`` split like the float weight; column-parallel
 splits the rows of ``weight_scale`` [N, G] and of the packed zero points [N*bits/32, G] (so
-N/tp, and each fused part's size / tp, must fill whole int32 words: a multiple of 8 for 4-bit); row-parallel splits K, which must
-stay a multiple of the group size and fill whole words, and splits the scales' groups (dim 1).
+N/tp, and each fused part's size / tp, must fill whole int32 words: a multiple of 8 for 4-bit);
+row-parallel splits K, which must stay a multiple of the group size and fill whole words, and
+splits the scales' groups (dim 1).
 Per-channel ([N, 1]) and per-tensor scales are replicated under row parallelism, and
 ``input_scale`` always is. Activation order (``weight_g_idx``): column-parallel replicates g_idx;
 row-parallel slices g_idx (its global group numbers kept) and replicates that layer's scales and
