@@ -24,18 +24,18 @@ from test_families import CASES, CONTEXT, ORIGINAL, PROMPT, VOCAB, _build, _chec
 
 # W4A16 in groups of 16 (divides every layer's input, and each rank's half of o_proj's and down_proj's), a few
 # seconds of calibration; the LM head stays float (the layer that dominates a tiny model's logits)
-QUANT = ("quant.method=gptq", "quant.bits=4", "quant.group_size=16", "quant.ignore=[lm_head]", "calib.samples=4",
+QUANT = ("quant.bits=4", "quant.group_size=16", "quant.ignore=[lm_head]", "calib.samples=4",
          "calib.seq_len=32")
 # Gemma's case has one KV head (Gemma 2B's): it cannot be split over two ranks (test_tp_is_refused_...)
 TP_CASES = [c for c in CASES if _config(c).num_key_value_heads % 2 == 0]
 NEW_TOKENS = 24
 
 
-def _quant(tmp_path) -> list[str]:
+def _quant(tmp_path, method: str = "gptq") -> list[str]:
     """QUANT with calibration text in the test tokenizer's words ("t17 t203 ..."): varied tokens to calibrate on."""
     data = tmp_path / "calib.txt"
     data.write_text("\n\n".join(" ".join(f"t{random.randrange(VOCAB)}" for _ in range(100)) for _ in range(8)))
-    return [*QUANT, f"calib.data={data}"]
+    return [f"quant.method={method}", *QUANT, f"calib.data={data}"]
 
 
 def _ids() -> torch.Tensor:
@@ -69,13 +69,14 @@ def _prompts() -> list[list[int]]:
     return [[random.randrange(VOCAB) for _ in range(PROMPT)] for _ in range(2)]
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case):
+# AWQ too where llm-compressor's smoothing mapping is the family's own (Phi-3's fused qkv_proj / gate_up_proj)
+@pytest.mark.parametrize("case,method", [(c, "gptq") for c in CASES] + [("phi4-partial", "awq")])
+def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case, method):
     float_model = _checkpoint(tmp_path / "src", case)
-    artifact = _build(tmp_path, tmp_path / "src", "float32", *_quant(tmp_path))
+    artifact = _build(tmp_path, tmp_path / "src", "float32", *_quant(tmp_path, method))
     q = json.loads((artifact / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
-    assert json.loads((artifact / "manifest.json").read_text())["quantize"]["method"] == "gptq"
+    assert json.loads((artifact / "manifest.json").read_text())["quantize"]["method"] == method
     ref = transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
     ids = _ids()
     with torch.no_grad():
@@ -94,7 +95,7 @@ def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case):
     served_err = (served.logits(ids) - want).abs().max().item()
     floor = (floor_model.logits(ids) - want).abs().max().item()
     effect = (want - unquantized).abs().max().item()
-    print(case, "length", ids.shape[1], "logit scale", scale, "| float32 dequant", exact_err, "| served",
+    print(case, method, "length", ids.shape[1], "logit scale", scale, "| float32 dequant", exact_err, "| served",
           set(quantized_modules(served).values()), served_err, "| bf16 torch floor", floor, "| int4 vs float", effect)
     assert exact_err < 1e-5 * max(1.0, scale), exact_err  # measured: 0 to 5e-7
     assert served_err < 3 * floor + 2e-3, (served_err, floor)  # measured: served 4e-3 to 7e-3
