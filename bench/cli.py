@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,quant-speed,kv-cache,replicas} [options]
+USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,quant-speed,kv-cache,replicas,sliding-window} [options]
 
   serve     load an OpenAI-compatible server (infer-run ARTIFACT) with Poisson arrivals of streaming
             requests; report TTFT, TPOT, ITL, end-to-end and queue time (p50/p95/p99), tokens/s, req/s;
@@ -22,13 +22,16 @@ USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,
             16, capacity at the same memory, optionally the gate's KLD (no server)
   replicas  2 replicas behind the router: prefix-aware against round-robin on a multi-tenant workload
             (hit rate, TTFT); one tenant's TTFT/TPOT while another floods, fair share against FCFS
+  sliding-window  the KV blocks a long conversation holds with a sliding window against full attention,
+            and its decode speed (no server)
 
 infer-bench COMMAND --help shows the options of each."""
 
 
 # command -> the bench/ module whose main(argv) runs it (serve is separate: its exit code is the verdict)
 COMMANDS = {"offline": "throughput", "single": "single", "tune": "tune", "structured": "structured",
-            "speculative": "speculative", "quant-speed": "quant_speed", "kv-cache": "kv_cache", "replicas": "replicas"}
+            "speculative": "speculative", "quant-speed": "quant_speed", "kv-cache": "kv_cache", "replicas": "replicas",
+            "sliding-window": "sliding_window"}
 
 
 def main(argv=None) -> None:

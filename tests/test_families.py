@@ -177,14 +177,18 @@ def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case,
 
     (got_ids, got), (want_ids, want) = logprobs(step), logprobs(None)
     assert got_ids == want_ids
-    print("fused - loop", (got - want).abs().max().item())
-    assert (got - want).abs().max() < 1e-3, (got - want).abs().max()
+    off = (got - want).abs().max().item()
+    print("fused - loop", off)
+    # bfloat16 step noise: the two paths round a few intermediates differently, and with weights this large a
+    # logprob moves by up to ~0.03 at some seeds (measured 0.025 at seed 285101226, before and after the
+    # sliding-window change); tables that are wrong move it by far more
+    assert off < 0.05, off
     cfg = model.config
     step.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings,
                                   rotary_dim=cfg.rotary_dims)  # unscaled
     _, wrong = logprobs(step)
     print("unscaled - loop", (wrong - want).abs().max().item())
-    assert (wrong - want).abs().max() > 1e-2, "the C++ step did not use the tables it was given"
+    assert (wrong - want).abs().max() > max(0.1, 4 * off), "the C++ step did not use the tables it was given"
 
 
 def test_rope_scaling_matches_transformers_tables():
@@ -210,8 +214,7 @@ def test_rope_scaling_matches_transformers_tables():
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("sliding_window", 128, r"sliding_window=128 is not supported.*supported: null, or at least "
-                            r"max_position_embeddings \(256\)"),
+    ("sliding_window", 0, r"sliding_window=0 is not supported; supported: null or a positive number of tokens"),
     ("rope_parameters", {"rope_type": "foo", "rope_theta": 10000.0},
      r"rope_parameters.rope_type='foo' is not supported for model_type mistral; supported: default, linear, "
      r"dynamic, llama3, yarn, longrope"),
@@ -235,18 +238,17 @@ def test_unsupported_keys_are_refused_naming_key_and_values(key, value, match):
 
 
 def test_infer_build_refuses_before_any_stage(tmp_path):
-    """A Mistral whose sliding window is smaller than its context: infer-build stops before the load
-    stage (nothing cached, nothing published), naming the key, the value and what is supported."""
+    """A Mistral with an activation the runtime lacks: infer-build stops before the load stage (nothing
+    cached, nothing published), naming the key, the value and what is supported."""
     src = tmp_path / "src"
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, sliding_window=128))
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, hidden_act="relu"))
     model.save_pretrained(src)
     _tokenizer(src)
     run = run_cli("infer-build", f"model.source={src}", f"output_dir={tmp_path / 'out'}",
                   f"cache_dir={tmp_path / 'cache'}", "tune.enabled=false")
     print(run.stderr[-2000:])
     assert run.returncode == 1
-    assert re.search(r"src: config.json sliding_window=128 is not supported below "
-                     r"max_position_embeddings=256.*supported: null, or at least max_position_embeddings", run.stderr)
+    assert re.search(r"src: config.json hidden_act='relu' is not supported; supported: silu", run.stderr)
     assert not (tmp_path / "out").exists()
     assert not list((tmp_path / "cache").glob("**/load*")), "a stage ran"
 
@@ -339,16 +341,6 @@ def test_readme_lists_families_from_the_declaration():
     assert section == markdown_table()
 
 
-def test_qwen3_tensor_parallel_is_refused_before_quantizing(tmp_path):
-    """Sharding knows Llama and Qwen2 only so far: a tp=2 Qwen3 build stops right after the load stage."""
-    from infer.pipeline.stage import BuildError
-
-    _checkpoint(tmp_path / "src", "qwen3")
-    with pytest.raises(BuildError, match=r"parallel.tp=2: sharding knows Llama and Qwen2.*model_type 'qwen3'.*parallel.tp=1"):
-        _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2")
-    assert not (tmp_path / "out").exists()
-
-
 def test_merged_trtllm_config_keeps_rope_scaling():
     """pipeline/merge.py's HF config for a TensorRT-LLM checkpoint keeps its rotary scaling: the merged
     config gives the same rotary tables as the HF config it came from."""
@@ -380,8 +372,9 @@ def test_older_config_spellings_read_alike():
     assert torch.equal(a.cos, b.cos) and ModelConfig.from_hf(old).rope_scaling["factor"] == 8.0
     qwen = {**_config("qwen2-yarn").to_dict(), "sliding_window": 32, "use_sliding_window": False}
     check_config(qwen)  # Qwen2.5's config.json: a window stated, switched off
-    with pytest.raises(UnsupportedConfig, match=r"sliding_window=32 is not supported below max_position_embeddings"):
-        check_config({**qwen, "use_sliding_window": True})
+    assert ModelConfig.from_hf(qwen).layer_windows is None
+    switched_on = {**qwen, "use_sliding_window": True, "max_window_layers": 1, "layer_types": None}
+    assert ModelConfig.from_hf(switched_on).layer_windows == (None, 32)
 
 
 def test_partial_rotary_reorders_a_quantized_qkv_as_a_float_one():

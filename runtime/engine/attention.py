@@ -9,7 +9,9 @@ already cached. A chunk that starts a sequence goes through the prefill kernel (
 the cache its K/V were just written to) where there is one, else attends within itself by SDPA. A backend is
 anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call. What it
 builds (masks, indices, outputs) goes on the device of the tensors it is given. An int8 (quantized)
-cache takes the C++ store and decode kernels only, every row a decode row (runtime/engine/model_runner.py).
+cache takes the C++ store and decode kernels only, every row a decode row (runtime/engine/model_runner.py);
+so does a model with sliding-window layers, whose decode rows then carry their window's first position
+(``decode_starts``), read by those layers only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
                  decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None,
-                 prefill_kernel=None):
+                 prefill_kernel=None, decode_starts: torch.Tensor | None = None,
+                 windowed_layers: tuple[bool, ...] | None = None):
         if kv_cache.dtype == torch.int8 and (decode_kernel is None or store_kv is None or prefills):
             # the SDPA paths would need a dequantized copy of the context: the model runner sends every row
             # of an int8 cache through the C++ kernels (ModelRunner's kv_dtype)
@@ -47,9 +50,16 @@ class PagedAttention:
         self.decode_rows = decode_rows  # [D] rows of decode queries
         self.decode_blocks = decode_blocks  # [D, max_blocks]
         self.decode_lens = decode_lens  # [D] context length of each
+        # [D] first position each decode row sees in a sliding-window layer (windowed_layers[layer] True)
+        self.decode_starts, self.windowed_layers = decode_starts, windowed_layers
+        if windowed_layers is not None and (decode_starts is None or prefills):
+            raise ValueError("sliding-window layers take decode rows only, each with its window's first position "
+                             "(runtime/engine/model_runner.py sends every row of such a model as a decode row)")
         if len(decode_rows) and decode_kernel is None:
             span = torch.arange(decode_blocks.shape[1] * block_size, device=decode_lens.device)
             self.decode_mask = (span[None, :] < decode_lens[:, None])[:, None, None, :]  # [D, 1, 1, S]
+            if windowed_layers is not None:
+                self.window_mask = self.decode_mask & (span[None, :] >= decode_starts[:, None])[:, None, None, :]
         fresh = [c for c in prefills if c.context == c.length]
         after_cache = [c for c in prefills if c.context > c.length]
         self.fresh = fresh if prefill_kernel is None else []  # SDPA within the chunk, one call each
@@ -69,7 +79,11 @@ class PagedAttention:
         else:
             k_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, k)
             v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
+        windowed = self.windowed_layers is not None and self.windowed_layers[layer]
+        starts = self.decode_starts if windowed else None
         if self.decodes_only and self.decode_kernel is not None:
+            if starts is not None:
+                return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5, starts)
             return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = q.shape[1] // kvh
@@ -91,7 +105,7 @@ class PagedAttention:
             qd = q.index_select(0, self.decode_rows).view(nd, kvh, group, d)
             kd = k_cache.index_select(0, self.decode_blocks.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
             vd = v_cache.index_select(0, self.decode_blocks.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.decode_mask)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.window_mask if windowed else self.decode_mask)
             out.index_copy_(0, self.decode_rows, od.reshape(nd, kvh * group, d))
         return out
 

@@ -11,6 +11,11 @@ list; taking a block from the front of the list evicts the least recently freed 
 sequence reuses every cached leading block. Prompt blocks still being computed are known by hash
 too ("in flight"), so a request that arrives with the same prefix can wait a step for them
 instead of computing them again.
+
+With a sliding window on every layer (``window``), a block whose tokens have all left the window of the
+sequence's next position is given back at once (``slide``): its entry in the block table becomes
+``GIVEN_BACK`` and the attention kernels never read it, so a long conversation holds about window /
+block_size blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
+
+GIVEN_BACK = -1  # a block table entry whose block a sliding window gave back (never read again)
 
 
 def root_key(model_id: str) -> bytes:
@@ -43,10 +50,12 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_id: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, model_id: str = "",
+                 window: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one block of at least one token (got {num_blocks} x {block_size})")
         self.block_size = block_size
+        self.window = window  # every layer's sliding window, or None: blocks stay until the sequence ends
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # LRU order
@@ -173,10 +182,12 @@ class BlockManager:
         """Shares the parent's full blocks with a child (copy-on-write is never needed: full blocks are immutable)."""
         shared = parent.num_computed_tokens // self.block_size
         for block_id in parent.block_table[:shared]:
-            self._take(block_id)
+            if block_id != GIVEN_BACK:
+                self._take(block_id)
         child.block_table = parent.block_table[:shared]
         child.num_computed_tokens = shared * self.block_size
         child.num_hashed_blocks = min(parent.num_hashed_blocks, shared)
+        child.num_slid_blocks = min(parent.num_slid_blocks, shared)
 
     def trim(self, seq: Sequence) -> None:
         """Gives back blocks past what the sequence's tokens need (rejected speculative tokens had them).
@@ -185,6 +196,21 @@ class BlockManager:
         for block_id in seq.block_table[keep:]:
             self._release(block_id)
         del seq.block_table[keep:]
+
+    def slide(self, seq: Sequence) -> None:
+        """Gives back the blocks wholly before the sliding window of the sequence's next position (its
+        K/V stay cached by hash like any freed block's). The last hashed block stays: the prefix cache
+        chains the next block's hash from it."""
+        if self.window is None:
+            return
+        first_visible = seq.num_computed_tokens - self.window + 1  # the next query's window starts here
+        end = first_visible // self.block_size
+        if self.enable_prefix_caching:
+            end = min(end, seq.num_hashed_blocks - 1)
+        for i in range(seq.num_slid_blocks, max(end, 0)):
+            self._release(seq.block_table[i])
+            seq.block_table[i] = GIVEN_BACK
+        seq.num_slid_blocks = max(seq.num_slid_blocks, end)
 
     def _release(self, block_id: int) -> None:
         """Drops one reference; a block nobody holds goes to the free list: at the back (evicted last)
@@ -202,8 +228,10 @@ class BlockManager:
     def free_sequence(self, seq: Sequence) -> None:
         """Returns a sequence's blocks; the newest go to the back of the free list, last to be evicted."""
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != GIVEN_BACK:
+                self._release(block_id)
         seq.block_table = []
+        seq.num_slid_blocks = 0
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
         for h in seq.in_flight_hashes:  # computed or abandoned: nobody waits on them any more

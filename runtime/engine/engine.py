@@ -27,7 +27,7 @@ from ..artifact import Artifact, verify_artifact
 from .block_manager import BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
-from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block, kv_cache_dtype
+from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block, kv_cache_dtype, sliding_window
 from .sampler import sample, token_logprobs, verify_draft
 from .sampling_params import SamplingParams
 from .scheduler import Fairness, ScheduledBatch, Scheduler
@@ -219,8 +219,12 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
                              f"give the KV cache more memory")
         self.num_blocks = num_blocks
+        window, windowed = sliding_window(mcfg)
+        # blocks leave a sequence as its window slides only when every layer slides (a full layer reads them all)
+        self.window = window if windowed is not None and all(windowed) else None
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          model_id=self.artifact.manifest["files"]["config.json"]["sha256"])
+                                          model_id=self.artifact.manifest["files"]["config.json"]["sha256"],
+                                          window=self.window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.prefill_batch_tokens, cfg.fairness)
         if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
@@ -242,8 +246,12 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     @property
     def max_request_tokens(self) -> int:
-        """Longest sequence (prompt + output) the model and the KV cache can hold."""
-        return min(self.max_model_len, self.num_blocks * self.config.block_size)
+        """Longest sequence (prompt + output) the model and the KV cache can hold. With a sliding window on
+        every layer a sequence holds at most its window, a step's chunk and two part-filled blocks at once."""
+        cache = self.num_blocks * self.config.block_size
+        if self.window is not None and cache >= self.window + self.config.max_num_batched_tokens + 2 * self.config.block_size:
+            return self.max_model_len
+        return min(self.max_model_len, cache)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -386,8 +394,9 @@ class LLMEngine:
             self._record_prompt_logprobs(seq, *result.prompt_logits[seq.seq_id])
         self.stats["prompt_tokens"] += max(0, min(computed + n, seq.num_prompt_tokens) - computed)
         seq.num_computed_tokens = computed + n
-        if not seq.spec.draft:  # a draft's tokens are hashed only once verified (_verify)
+        if not seq.spec.draft:  # a draft's tokens are hashed (and a window slid) only once verified (_verify)
             self.block_manager.register_full_blocks(seq)
+            self.block_manager.slide(seq)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[RequestOutput]:
         """Chooses each sequence's next token; a row the sampler fails on fails its own request.
@@ -455,6 +464,7 @@ class LLMEngine:
         seq.num_computed_tokens = len(seq) - 1  # the accepted draft tokens' K/V are in; the new last is not
         self.block_manager.register_full_blocks(seq)
         self.block_manager.trim(seq)
+        self.block_manager.slide(seq)
         return out
 
     def _append(self, seq: Sequence, token: int, logprob: dict | None, now: float) -> RequestOutput:

@@ -85,6 +85,9 @@ class StepInputs:
     decode_blocks: torch.Tensor  # [D, W'] their block tables, padded with block 0
     decode_lens: torch.Tensor  # [D] their context lengths
     decode_kernel: bool = True  # the C++ paged decode kernel (False: gather + SDPA, the tuning's choice)
+    # [D] each decode row's sliding window's first position (position - window + 1, at least 0); None: the
+    # model has no sliding-window layer
+    decode_starts: torch.Tensor | None = None
 
     # read into Python lists to build the prompt chunks, never by a kernel: they stay on the host
     HOST_FIELDS = ("chunk_starts", "chunk_lengths", "chunk_contexts")
@@ -134,7 +137,9 @@ class ModelRunner:
         cache's (``kv_cache_dtype``; None: the model's). An int8 cache is read by the C++ decode kernel
         alone: prompt chunks run as decode rows, each over the context up to its own position, after the
         chunk's K/V are stored (quantized), so a prompt attends to the quantized cache as later tokens
-        do and a prefix-cache hit computes what a miss computes."""
+        do and a prefix-cache hit computes what a miss computes. A model with sliding-window layers runs the
+        same way (every row a decode row), each row reading its window's positions only in those layers
+        (``sliding_window``)."""
         cfg = model.config
         self.device = model.device
         if device is not None and torch.device(device) not in (model.device, torch.device(model.device.type)):
@@ -158,6 +163,13 @@ class ModelRunner:
         if self.quantized_kv:
             kv_cache_dtype("int8", None, model.dtype, kernels)  # raises unless the C++ CPU kernels run
             self.chunk_kernel = self.prefill_kernel = None  # they read 16-bit caches; chunks run as decode rows
+        self.window, self.windowed_layers = sliding_window(cfg)
+        if self.window is not None:
+            if kernels.backend == "triton":
+                raise ValueError(f"sliding-window attention (window {self.window}) runs on the CPU kernels or torch "
+                                 f"SDPA; the triton decode kernel has no window yet: use kernels=cpp or kernels=torch")
+            self.chunk_kernel = self.prefill_kernel = None  # they attend causally from 0; chunks run as decode rows
+        self.decode_rows_only = self.quantized_kv or self.window is not None
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                                     kv_row(cfg.head_dim, kv_dtype), dtype=kv_dtype, device=self.device)
         self.graphs = None
@@ -185,13 +197,14 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if self.quantized_kv or start > 0 and (n == 1 or (n == 1 + len(seq.spec.draft) and end == len(seq))):
+            if self.decode_rows_only or start > 0 and (n == 1 or (n == 1 + len(seq.spec.draft) and end == len(seq))):
                 # a decode, or a decode and its draft: each row a decode over the context up to its own
                 # position (the draft's K/V are stored before any row attends), so a draft is verified by
                 # the same kernels and the one-call step that decode steps run
                 for j in range(n):
                     decode_rows.append(row + j)
-                    decode_tables.append(table[:-(-(start + j + 1) // bs)])
+                    # blocks a sliding window has given back hold -1 (never read): block 0, as padding
+                    decode_tables.append([max(b, 0) for b in table[:-(-(start + j + 1) // bs)]])
                     decode_lens.append(start + j + 1)
             else:
                 chunks.append((row, n, end))
@@ -202,10 +215,14 @@ class ModelRunner:
             decode_kernel = False  # the table measured gather + SDPA faster at this many decodes
         chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3)
         pin = self._pinned
+        starts = None
+        if self.window is not None:
+            starts = pin(torch.tensor(decode_lens, dtype=torch.long).sub_(self.window).clamp_(min=0))
         return StepInputs(pin(torch.tensor(ids, dtype=torch.long)), pin(torch.tensor(positions, dtype=torch.long)),
                           pin(torch.tensor(slots, dtype=torch.long)), chunk_info[:, 0], chunk_info[:, 1],
                           chunk_info[:, 2], pin(_padded(chunk_tables)), pin(torch.tensor(decode_rows, dtype=torch.long)),
-                          pin(_padded(decode_tables)), pin(torch.tensor(decode_lens, dtype=torch.long)), decode_kernel)
+                          pin(_padded(decode_tables)), pin(torch.tensor(decode_lens, dtype=torch.long)), decode_kernel,
+                          starts)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.pin else t
@@ -218,7 +235,8 @@ class ModelRunner:
                                                                      inputs.chunk_contexts.tolist()))]
         return PagedAttention(self.kv_cache, bs, inputs.slots, prefills, inputs.decode_rows, inputs.decode_blocks,
                               inputs.decode_lens, self.decode_kernel if inputs.decode_kernel else None,
-                              self.store_kv, self.chunk_kernel, self.prefill_kernel)
+                              self.store_kv, self.chunk_kernel, self.prefill_kernel, inputs.decode_starts,
+                              self.windowed_layers)
 
     def _threads(self, rows: int) -> None:
         """The table's thread count for a step of this many rows (the process default without one).
@@ -287,6 +305,17 @@ class ModelRunner:
 
     def close(self) -> None:
         """Releases what the runner holds beyond memory (a tensor-parallel runner: its ranks)."""
+
+
+def sliding_window(cfg) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(the window, which layers slide) of a ModelConfig, or (None, None) when every layer attends in full.
+    A query at position p sees positions p - window + 1 .. p in a sliding layer (transformers' rule)."""
+    if not cfg.layer_windows:
+        return None, None
+    windows = {w for w in cfg.layer_windows if w is not None}
+    if len(windows) != 1:
+        raise ValueError(f"layer windows {sorted(windows)}: one window size for every sliding layer is supported")
+    return windows.pop(), tuple(w is not None for w in cfg.layer_windows)
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:

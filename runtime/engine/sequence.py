@@ -36,6 +36,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache
         self.num_cached_tokens = 0  # of those, how many came from the prefix cache
         self.num_hashed_blocks = 0  # leading full blocks registered in the prefix cache
+        self.num_slid_blocks = 0  # leading blocks a sliding window gave back (block_manager.GIVEN_BACK)
         self.in_flight_hashes: list[bytes] = []  # prefix-cache keys of prompt blocks it is computing (others may wait)
         self.finish_reason: str | None = None
         self.output_logprobs: list[dict] = []

@@ -177,11 +177,10 @@ def check_config(cfg: dict) -> Family:
                       f"below 1.0 for {', '.join(f.model_type for f in FAMILIES.values() if f.partial_rotary)}")
     if not 0.0 < partial <= 1.0:
         raise _refuse("partial_rotary_factor", partial, "a fraction in (0, 1]")
-    window, context = sliding_window(cfg), cfg.get("max_position_embeddings", 2048)
-    if window is not None and window < context:
-        raise _refuse("sliding_window", window, f"null, or at least max_position_embeddings ({context})",
-                      f" below max_position_embeddings={context}: sliding-window attention is not implemented yet; "
-                      f"to serve within the window set max_position_embeddings to at most {window}")
+    window = sliding_window(cfg)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise _refuse("sliding_window", window, "null or a positive number of tokens")
+    layer_windows(cfg)  # refuses layer_types it cannot read
     return family
 
 
@@ -194,7 +193,8 @@ def markdown_table() -> str:
         types = ", ".join(f"`{t}`" for t in f.rope_types) + "".join(f", `{a}` (= `{b}`)" for a, b in
                                                                        f.rope_aliases.items())
         biases = bias[f.attention_bias] + ("; gate/up/down per `mlp_bias`" if f.mlp_bias else "")
-        window = (f"off unless `{f.window_flag}`; " if f.window_flag else "") + "null or >= max_position_embeddings"
+        window = (f"off unless `{f.window_flag}`; sliding from `max_window_layers` on, or per `layer_types`"
+                  if f.window_flag else "every layer, or per `layer_types`")
         if f.partial_rotary:
             types += "; `partial_rotary_factor`"
         rows.append(f"| `{f.model_type}` | {f.examples} | {types} | {'yes' if f.qk_norm else 'no'} | {biases} "
@@ -205,6 +205,10 @@ def markdown_table() -> str:
         + " ".join(f"`{f.model_type}`: embeddings times sqrt(hidden_size), RMSNorm scaling by (1 + weight), the "
                    f"activation read from {' else '.join(f'`{k}`' for k in f.act_keys)}." for f in FAMILIES.values()
                    if f.embed_scale or f.norm_offset)
+        + " A `sliding_window` below max_position_embeddings: a sliding layer's query sees the last "
+        "`sliding_window` positions (transformers' rule); where every layer slides, the KV blocks behind the window "
+        "go back to the pool, so a conversation holds about a window of cache however long it grows. Such models "
+        "run on the CPU kernels or SDPA, on the Python layer loop (not the one-call C++ step, not triton)."
         + " Not yet: " + "; ".join(f"`{t}` (lacks {why})" for t, why in NOT_YET.items()) + ". "
         "Keys each `rope_type` reads: " + "; ".join(
             f"`{t}`: " + (", ".join(f"`{k}`" for k in keys) if keys else "none") for t, keys in ROPE_TYPES.items())

@@ -83,6 +83,9 @@ class FusedStep:
         if cfg.hidden_act != "silu":
             return (f"hidden_act {cfg.hidden_act} (GeGLU MLP): kernels/csrc/step_layers.cpp computes SiLU-gated MLPs "
                     f"only")
+        if cfg.layer_windows:
+            return ("sliding-window attention: kernels/csrc/step_layers.cpp passes no window starts to the decode "
+                    "kernel (the Python loop over layers runs it on the same C++ kernels)")
         if cfg.norm_offset:
             return "Gemma's (1 + weight) float32 RMSNorm is not implemented in kernels/csrc/step_layers.cpp"
         if model.rotary.ops is None or any(type(layer) is not Block or layer.mlp.ops is None

@@ -400,19 +400,26 @@ class Transformer(nn.Module):
         """Whole-sequence forward for a [B, L] batch without padding: logits [B, L, vocab] (float32)."""
         b, length = input_ids.shape
         positions = torch.arange(length, device=input_ids.device).repeat(b)
-        hidden = self(input_ids.reshape(-1), positions, DenseCausalContext(b, length))
+        hidden = self(input_ids.reshape(-1), positions, DenseCausalContext(b, length, self.config.layer_windows))
         return self.compute_logits(hidden).view(b, length, -1)
 
 
 class DenseCausalContext:
-    """Attention over B equal-length sequences given whole, with no KV cache."""
+    """Attention over B equal-length sequences given whole, with no KV cache; a sliding-window layer's
+    query at position i sees positions i - window + 1 .. i (``layer_windows``: ModelConfig's)."""
 
-    def __init__(self, batch: int, length: int):
-        self.batch, self.length = batch, length
+    def __init__(self, batch: int, length: int, layer_windows: tuple[int | None, ...] | None = None):
+        self.batch, self.length, self.layer_windows = batch, length, layer_windows
 
     def attend(self, layer_idx, q, k, v):
         b, n = self.batch, self.length
         q, k, v = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
+        window = self.layer_windows[layer_idx] if self.layer_windows else None
+        if window is not None and window < n:
+            i = torch.arange(n, device=q.device)
+            visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
+            return out.transpose(1, 2).reshape(b * n, -1, q.shape[-1])
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
         return out.transpose(1, 2).reshape(b * n, -1, q.shape[-1])
 

@@ -193,23 +193,27 @@ def verify_rank(path: str | Path, rank: int, digest: str, tuning: str = "auto") 
 # ---------------------------------------------------------------------------- the messages
 
 def encode_step(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(header, payload) of a step: every tensor of StepInputs in one flat int64 tensor."""
+    """(header, payload) of a step: every tensor of StepInputs in one flat int64 tensor; the header's last
+    field says whether the decode rows' sliding-window starts follow."""
+    windowed = s.decode_starts is not None
     header = torch.tensor([STEP, len(s.input_ids), s.chunk_blocks.shape[0], s.chunk_blocks.shape[1],
-                           s.decode_blocks.shape[0], s.decode_blocks.shape[1], int(s.decode_kernel), 0])
+                           s.decode_blocks.shape[0], s.decode_blocks.shape[1], int(s.decode_kernel), int(windowed)])
     payload = torch.cat([s.input_ids, s.positions, s.slots, s.chunk_starts, s.chunk_lengths, s.chunk_contexts,
-                         s.chunk_blocks.flatten(), s.decode_rows, s.decode_blocks.flatten(), s.decode_lens])
+                         s.chunk_blocks.flatten(), s.decode_rows, s.decode_blocks.flatten(), s.decode_lens]
+                        + ([s.decode_starts] if windowed else []))
     return header, payload
 
 
 def step_size(header: torch.Tensor) -> int:
-    _, t, p, w, d, wd, _, _ = header.tolist()
-    return 3 * t + 3 * p + p * w + 2 * d + d * wd
+    _, t, p, w, d, wd, _, windowed = header.tolist()
+    return 3 * t + 3 * p + p * w + 2 * d + d * wd + windowed * d
 
 
 def decode_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
-    _, t, p, w, d, wd, decode_kernel, _ = header.tolist()
-    parts = payload.split([t, t, t, p, p, p, p * w, d, d * wd, d])
-    return StepInputs(*parts[:6], parts[6].view(p, w), parts[7], parts[8].view(d, wd), parts[9], bool(decode_kernel))
+    _, t, p, w, d, wd, decode_kernel, windowed = header.tolist()
+    parts = payload.split([t, t, t, p, p, p, p * w, d, d * wd, d, windowed * d])
+    return StepInputs(*parts[:6], parts[6].view(p, w), parts[7], parts[8].view(d, wd), parts[9], bool(decode_kernel),
+                      parts[10] if windowed else None)
 
 
 def header(command: int, *sizes: int) -> torch.Tensor:
