@@ -167,6 +167,9 @@ def _assemble(files: list[Path], name: str, t: dict) -> torch.Tensor:
     split, dim = t["split"], t["dim"]
     if split in ("column", "row", "vocab"):
         return torch.cat([read_tensor(f, name) for f in files], dim)
+    if split == "column_parts":  # rank r holds its share of each part ([q_r; k_r; v_r]): each part put back first
+        ranks = [read_tensor(f, name).split([p // len(files) for p in t["parts"]], dim) for f in files]
+        return torch.cat([r[i] for i in range(len(t["parts"])) for r in ranks], dim)
     first = read_tensor(files[0], name)
     if split == "replicated":
         for f in files[1:]:

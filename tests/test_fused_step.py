@@ -103,7 +103,8 @@ def test_a_step_without_chunks_whose_rows_are_not_all_decodes_is_refused(embedde
     with pytest.raises(RuntimeError, match="every row a decode"):
         FUSED.step_layers(x, torch.empty_like(x), fused.weights, kv_cache, torch.zeros(3, **long),
                           torch.zeros(3, **long), fused.rotary.cos, fused.rotary.sin, *fused.no_chunks,
-                          torch.arange(2), torch.zeros(2, 1, **long), torch.ones(2, **long), False, cfg.num_heads,
+                          torch.arange(2), torch.zeros(2, 1, **long), torch.ones(2, **long), *fused.no_chunks[:1],
+                          fused.window_layers, False, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
 
 

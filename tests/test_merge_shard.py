@@ -517,3 +517,24 @@ def test_shard_peak_memory_is_about_one_tensor(tmp_path):
           f"{growth / 2**20:.0f} MB over {m['base'] / 2**20:.0f} MB, {m['seconds']:.2f} s")
     assert growth < 2 * largest + (64 << 20), f"peak RSS grew {growth / 2**20:.0f} MB"
     assert sum(f.stat().st_size for f in out.glob("rank*.safetensors")) > total  # the work was done
+
+
+def test_fused_projections_shard_per_part_and_merge_back(tmp_path):
+    """Phi-3 stores qkv_proj and gate_up_proj fused: each rank holds its share of every part ([q_r; k_r; v_r],
+    [gate_r; up_r], split "column_parts"), and merge puts each part back before the next."""
+    cfg = transformers.Phi3Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  rope_theta=10000.0, pad_token_id=0)
+    transformers.Phi3ForCausalLM(cfg).eval().save_pretrained(tmp_path / "src")
+    _tokenizer(tmp_path / "src")
+    _dirs(tmp_path, "tp", "merged")
+    shard(tmp_path / "src", tmp_path / "tp", 2)
+    t = json.loads((tmp_path / "tp" / LAYOUT_FILE).read_text())["tensors"]
+    qkv = t["model.layers.0.self_attn.qkv_proj.weight"]
+    assert qkv["split"] == "column_parts" and qkv["parts"] == [64, 32, 32] and qkv["local_shapes"] == [[64, 64]] * 2
+    src = _tensors(tmp_path / "src")
+    rank0 = load_file(tmp_path / "tp" / "rank0.safetensors")["model.layers.0.self_attn.qkv_proj.weight"]
+    whole = src["model.layers.0.self_attn.qkv_proj.weight"]
+    assert torch.equal(rank0, torch.cat([whole[:32], whole[64:80], whole[96:112]]))  # q, k, v heads of rank 0
+    merge(tmp_path / "tp", tmp_path / "merged")
+    _assert_same(src, load_file(tmp_path / "merged" / "model.safetensors"))

@@ -147,3 +147,39 @@ def test_config_windows_follow_transformers_layer_rule():
     with pytest.raises(UnsupportedConfig, match=r"sliding_window=0 is not supported; supported: null or a positive"):
         ModelConfig.from_hf({**mistral, "sliding_window": 0})
     assert json.loads(json.dumps(layer_windows(mistral))) == [WINDOW, WINDOW]
+
+
+def test_the_one_call_step_honours_windows_as_the_layer_loop_does(tmp_path):
+    """bfloat16 (the C++ step's dtype): a Mistral whose every layer slides and a Qwen2 with one full and one
+    sliding layer run in the one-call step, which passes each sliding layer the rows' window starts: the
+    tokens are the Python loop's and the logprobs agree to bfloat16 step noise, while the same step without
+    the window is far off."""
+    from infer.kernels import step_layers
+
+    if step_layers.load() is None:
+        pytest.fail("the C++ step failed to build on this CPU")
+    for case in ("mistral", "qwen2-mixed"):
+        _checkpoint(tmp_path / case / "src", case)
+        artifact = _build(tmp_path / case, tmp_path / case / "src", "bfloat16")
+        llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", enable_prefix_caching=False)
+        model = llm.engine.model
+        assert model.step_path.startswith("fused C++ step"), model.step_path
+        step = model.fused_step
+        prompts = [[random.randrange(VOCAB) for _ in range(random.randint(2 * WINDOW, 150))] for _ in range(2)]
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+
+        def logprobs(fused_step):
+            model.fused_step = fused_step
+            outs = llm.generate(prompts, params)
+            return [o.token_ids for o in outs], torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs])
+
+        (got_ids, got), (want_ids, want) = logprobs(step), logprobs(None)
+        off = (got - want).abs().max().item()
+        windows = step.window_layers
+        step.window_layers = torch.zeros_like(windows)  # the same step attending to the whole context
+        _, wrong = logprobs(step)
+        step.window_layers = windows
+        print(case, "fused - loop", off, "unwindowed - loop", (wrong - want).abs().max().item())
+        assert got_ids == want_ids, case
+        assert off < 0.05, off
+        assert (wrong - want).abs().max() > max(0.1, 4 * off), "the C++ step did not apply the window"

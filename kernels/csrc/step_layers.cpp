@@ -106,9 +106,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
                      const torch::Tensor& chunk_starts, const torch::Tensor& chunk_lengths,
                      const torch::Tensor& chunk_cached, const torch::Tensor& chunk_tables,
                      const torch::Tensor& decode_rows, const torch::Tensor& block_tables,
-                     const torch::Tensor& context_lens, double scale, bool amx_chunks) {
+                     const torch::Tensor& context_lens, const c10::optional<torch::Tensor>& starts, double scale,
+                     bool amx_chunks) {
   if (chunk_starts.numel() == 0)
-    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, c10::nullopt);
+    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, starts);
   torch::Tensor out = torch::empty(q.sizes(), q.options());
   if (amx_chunks) {
 #ifdef INFER_STEP_AMX
@@ -122,7 +123,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   }
   if (decode_rows.numel() > 0) {
     torch::Tensor od = attention::paged_decode_attention(q.index_select(0, decode_rows), k_cache, v_cache,
-                                                         block_tables, context_lens, scale, c10::nullopt);
+                                                         block_tables, context_lens, scale, starts);
     out.index_copy_(0, decode_rows, od);
   }
   return out;
@@ -136,11 +137,14 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
 // chunk_starts, chunk_lengths, chunk_cached [C] (first row, rows this step, tokens cached before),
 // chunk_tables [C, W]. Decodes: decode_rows [D] (their rows; ignored without chunks), block_tables
 // [D, W'], context_lens [D]. amx_chunks: the chunks on AMX tiles (what the engine runs where AMX is on).
+// Sliding windows: decode_starts [D] (each decode's window's first position) and window_layers [layers] bool
+// (the layers that read them), or both empty.
 torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,
                           torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
                           torch::Tensor sin, torch::Tensor chunk_starts, torch::Tensor chunk_lengths,
                           torch::Tensor chunk_cached, torch::Tensor chunk_tables, torch::Tensor decode_rows,
-                          torch::Tensor block_tables, torch::Tensor context_lens, bool amx_chunks, int64_t heads,
+                          torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor decode_starts,
+                          torch::Tensor window_layers, bool amx_chunks, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "step_layers: x must be contiguous [T, H] bfloat16");
@@ -152,6 +156,12 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<t
               "step_layers: ", WEIGHTS_PER_LAYER, " weights a layer and a KV cache of as many layers");
   TORCH_CHECK(chunk_starts.numel() > 0 || block_tables.size(0) == x.size(0),
               "step_layers: a step without prompt chunks must have every row a decode");
+  TORCH_CHECK(window_layers.numel() == 0 || (window_layers.numel() == layers &&
+                                              window_layers.scalar_type() == at::kBool &&
+                                              decode_starts.size(0) == block_tables.size(0)),
+              "step_layers: window_layers must be [layers] bool with decode_starts [decodes], or both empty");
+  window_layers = window_layers.contiguous();
+  const bool* windowed = window_layers.numel() ? window_layers.data_ptr<bool>() : nullptr;
   const int64_t rows = x.size(0), hidden = x.size(1);
   const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
@@ -175,7 +185,9 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<t
     torch::Tensor k_cache = kv_cache.select(0, l).select(0, 0), v_cache = kv_cache.select(0, l).select(0, 1);
     attention::store_kv_(k_cache, v_cache, slots, k, v);
     torch::Tensor attn = attend(q, k_cache, v_cache, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
-                                decode_rows, block_tables, context_lens, scale, amx_chunks);
+                                decode_rows, block_tables, context_lens,
+                                windowed && windowed[l] ? c10::optional<torch::Tensor>(decode_starts) : c10::nullopt,
+                                scale, amx_chunks);
     torch::Tensor o = run_linear(attn.view({rows, q_size}), lin + LINEAR_SLOTS, hidden, c10::nullopt);
     layer_ops::add_rms_norm_(o, residual, w[2], eps);
     torch::Tensor act = layer_ops::silu_mul(run_linear(o, lin + 2 * LINEAR_SLOTS, 2 * intermediate, c10::nullopt));

@@ -32,6 +32,9 @@ class FusedStep:
         cfg = model.config
         self.dims = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
         self.rotary = model.rotary
+        # the sliding-window layers, which read the decode rows' window starts (empty: none)
+        windows = cfg.layer_windows or ()
+        self.window_layers = torch.tensor([w is not None for w in windows], dtype=torch.bool)
         none = torch.empty(0)
 
         def slots(linear) -> list[torch.Tensor]:  # step_layers.cpp's LINEAR_SLOTS
@@ -83,9 +86,6 @@ class FusedStep:
         if cfg.hidden_act != "silu":
             return (f"hidden_act {cfg.hidden_act} (GeGLU MLP): kernels/csrc/step_layers.cpp computes SiLU-gated MLPs "
                     f"only")
-        if cfg.layer_windows:
-            return ("sliding-window attention: kernels/csrc/step_layers.cpp passes no window starts to the decode "
-                    "kernel (the Python loop over layers runs it on the same C++ kernels)")
         if cfg.norm_offset:
             return "Gemma's (1 + weight) float32 RMSNorm is not implemented in kernels/csrc/step_layers.cpp"
         if model.rotary.ops is None or any(type(layer) is not Block or layer.mlp.ops is None
@@ -123,6 +123,14 @@ class FusedStep:
         residual = torch.empty_like(x)
         out = self.module.step_layers(x, residual, self.weights, ctx.kv_cache, ctx.slot_mapping, positions,
                                       self.rotary.cos, self.rotary.sin, *chunks, ctx.decode_rows, ctx.decode_blocks,
-                                      ctx.decode_lens, self.amx_chunks, heads, kv_heads, head_dim, intermediate,
-                                      eps)
+                                      ctx.decode_lens, self._starts(ctx), self.window_layers, self.amx_chunks, heads,
+                                      kv_heads, head_dim, intermediate, eps)
         return out, residual
+
+    def _starts(self, ctx) -> torch.Tensor:
+        """The decode rows' window starts, or an empty tensor for a model without sliding layers."""
+        if not len(self.window_layers):
+            return self.no_chunks[0]
+        if ctx.decode_starts is None:
+            raise ValueError("a sliding-window model's step needs its decode rows' window starts")
+        return ctx.decode_starts
