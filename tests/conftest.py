@@ -163,3 +163,12 @@ def need(module: str):
         pytest.fail(f"{module} is missing although infer[{installed[0]}], which declares it, is installed "
                     f"({type(missing).__name__}: {missing}); reinstall: pip install -e '.[{installed[0]}]'")
     pytest.skip(f"{module} is not installed: a core-only install; pip install -e '.[{wanted[0] if wanted else 'dev'}]'")
+
+
+def step_logprobs(llm, prompts, params, fused_step) -> tuple[list[list[int]], torch.Tensor]:
+    """(token ids, logprobs) of ``prompts`` with the model's one-call C++ step set to ``fused_step`` (None: the
+    Python layer loop): how the step tests compare the two paths on the same engine."""
+    model = llm.engine.model
+    model.fused_step = fused_step
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs])

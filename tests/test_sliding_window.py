@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import step_logprobs
 from test_families import COMMON, VOCAB, _build, _tokenizer
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.engine.block_manager import GIVEN_BACK
@@ -167,17 +168,11 @@ def test_the_one_call_step_honours_windows_as_the_layer_loop_does(tmp_path):
         step = model.fused_step
         prompts = [[random.randrange(VOCAB) for _ in range(random.randint(2 * WINDOW, 150))] for _ in range(2)]
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
-
-        def logprobs(fused_step):
-            model.fused_step = fused_step
-            outs = llm.generate(prompts, params)
-            return [o.token_ids for o in outs], torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs])
-
-        (got_ids, got), (want_ids, want) = logprobs(step), logprobs(None)
+        (got_ids, got), (want_ids, want) = (step_logprobs(llm, prompts, params, s) for s in (step, None))
         off = (got - want).abs().max().item()
         windows = step.window_layers
         step.window_layers = torch.zeros_like(windows)  # the same step attending to the whole context
-        _, wrong = logprobs(step)
+        _, wrong = step_logprobs(llm, prompts, params, step)
         step.window_layers = windows
         print(case, "fused - loop", off, "unwindowed - loop", (wrong - want).abs().max().item())
         assert got_ids == want_ids, case
