@@ -51,9 +51,11 @@ def check_supported(cfg: BuildConfig) -> None:
                              f"pip install llmcompressor==0.14.0.1, or use quant=none") from None
 
 
-def check_model(directory: Path) -> None:
+def check_model(directory: Path, cfg: BuildConfig | None = None) -> None:
     """The runtime's own check of a checkpoint's family and keys (runtime/model/families.py), so that
-    nothing is built that infer-run would refuse. TensorRT-LLM's config.json is checked once merged."""
+    nothing is built that infer-run would refuse; given the recipe, also whether its parallel.tp and
+    quantization scheme take this family (the checks the shard and quantize stages make again after the
+    load stage, for sources without a config.json yet). TensorRT-LLM's config.json is checked once merged."""
     path = Path(directory).expanduser() / "config.json"
     if not path.is_file():
         return
@@ -64,6 +66,17 @@ def check_model(directory: Path) -> None:
         check_config(config)
     except UnsupportedConfig as e:
         raise BuildError(f"{path.parent}: {e}. infer-run could not serve this model, so nothing was built") from None
+    if cfg is None:
+        return
+    from .quantize import QuantError, plan
+
+    q = cfg.quant
+    try:
+        check_tp(config, cfg.parallel.tp, q.group_size if q.method != QuantMethod.none and q.group_size != -1 else None)
+        if q.method != QuantMethod.none:
+            plan(cfg, config)
+    except (ShardError, QuantError) as e:
+        raise BuildError(f"{path.parent}: {e}") from None
 
 
 def check_shardable(cfg: BuildConfig, loaded: StageResult) -> None:
@@ -106,7 +119,7 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     """Runs the stages and publishes to cfg.output_dir; with publish_artifact=False, returns the
     packaged stage directory instead (used for the gates' unquantized baseline), with no gates."""
     check_supported(cfg)
-    check_model(Path(cfg.model.source))  # a local checkpoint: before its files are even hashed
+    check_model(Path(cfg.model.source), cfg)  # a local checkpoint: before its files are even hashed
     if publish_artifact and gate.chooses(cfg):  # candidates chosen by the gates: each one an ordinary build
         return gate.choose_and_build(cfg, build)
     cache = Path(cfg.cache_dir).expanduser()
