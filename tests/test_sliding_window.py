@@ -178,3 +178,20 @@ def test_the_one_call_step_honours_windows_as_the_layer_loop_does(tmp_path):
         assert got_ids == want_ids, case
         assert off < 0.05, off
         assert (wrong - want).abs().max() > max(0.1, 4 * off), "the C++ step did not apply the window"
+
+
+def test_tensor_parallel_ranks_attend_within_the_window(tmp_path):
+    """tp=2: the step message carries the decode rows' window starts to the other rank (the header says
+    they follow), so both ranks attend within the window: greedy tokens equal transformers'."""
+    ref = _checkpoint(tmp_path / "src", "mistral")
+    artifact = _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2")
+    prompts = [[random.randrange(VOCAB) for _ in range(PROMPT)] for _ in range(2)]
+    with LLM(artifact, dtype="float32", kv_cache_memory=8 << 20, tuning="off", max_num_batched_tokens=48) as llm:
+        assert llm.engine.window == WINDOW and len(llm.engine.ranks.procs) == 1
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == gen[0, len(prompt):].tolist()
