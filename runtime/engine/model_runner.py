@@ -201,10 +201,11 @@ class ModelRunner:
                 # a decode, or a decode and its draft: each row a decode over the context up to its own
                 # position (the draft's K/V are stored before any row attends), so a draft is verified by
                 # the same kernels and the one-call step that decode steps run
+                slid = seq.num_slid_blocks  # blocks a sliding window gave back (-1, never read): block 0, as padding
                 for j in range(n):
                     decode_rows.append(row + j)
-                    # blocks a sliding window has given back hold -1 (never read): block 0, as padding
-                    decode_tables.append([max(b, 0) for b in table[:-(-(start + j + 1) // bs)]])
+                    used = table[:-(-(start + j + 1) // bs)]
+                    decode_tables.append([0] * slid + used[slid:] if slid else used)
                     decode_lens.append(start + j + 1)
             else:
                 chunks.append((row, n, end))
