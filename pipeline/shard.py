@@ -254,7 +254,8 @@ def check_tp(config: dict, tp: int, group_size: int | None = None) -> None:
     """Fails before any work when the model cannot be split into ``tp`` ranks of whole heads (and,
     given the quantization group size it is about to be quantized with, of whole groups)."""
     arch = (config.get("architectures") or ["?"])[0]
-    if config.get("model_type") not in SHARDABLE:
+    # tp=1 splits nothing: every family the runtime serves builds at tp=1 (Gemma 2 too)
+    if tp > 1 and config.get("model_type") not in SHARDABLE:
         raise ShardError(f"parallel.tp={tp}: sharding knows model_type {', '.join(SHARDABLE)}, not {arch} "
                          f"(model_type {config.get('model_type')!r}); build it with parallel.tp=1")
     for key, value, why in (("num_attention_heads", config["num_attention_heads"], "each rank needs whole query heads"),

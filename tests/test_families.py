@@ -9,6 +9,7 @@ import json
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,10 +64,19 @@ def _config(case: str) -> transformers.PretrainedConfig:
         # head_dim 256 apart from hidden / heads, one KV head (Gemma 2B's), tied head
         return transformers.GemmaConfig(**{**COMMON, "hidden_size": 48, "num_key_value_heads": 1}, head_dim=256,
                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if case == "gemma2":  # sliding (layer 0) and full (layer 1) layers, a window shorter than the inputs; both
+        # soft-caps low enough to bend the scores and logits of _checkpoint's weights (GEMMA2_INIT); the attention
+        # scale from query_pre_attn_scalar (24), not head_dim (32); sandwich norms
+        return transformers.Gemma2Config(**COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     raise ValueError(case)
 
 
-CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope", "phi4-partial", "gemma"]
+CASES = ["llama3", "llama-bias-dynamic", "qwen2-yarn", "qwen3", "mistral", "phi3-longrope", "phi4-partial", "gemma",
+         "gemma2"]
+WINDOW = 24  # gemma2's sliding window: test prompts and inputs run past it
+INIT = {"gemma2": 0.1}  # weights' std where 0.02 would leave the soft-caps idle
 
 
 def _tokenizer(path: Path) -> None:
@@ -81,7 +91,9 @@ def _checkpoint(path: Path, case: str, init: float = 0.02) -> transformers.PreTr
     to ones and zeros, which would hide a missing or misplaced one). ``init``: the weights' std."""
     cfg = _config(case)
     cfg.initializer_range = init
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # transformers' SDPA attention drops attn_logit_softcapping (only its eager attention caps): eager there
+    eager = {"attn_implementation": "eager"} if FAMILIES[cfg.model_type].softcaps else {}
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **eager).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -101,7 +113,7 @@ def _build(tmp_path: Path, src: Path, dtype: str = "float32", *extra: str) -> Pa
 
 @pytest.mark.parametrize("case", CASES)
 def test_family_builds_and_matches_transformers(tmp_path, case):
-    ref = _checkpoint(tmp_path / "src", case)
+    ref = _checkpoint(tmp_path / "src", case, INIT.get(case, 0.02))
     artifact = _build(tmp_path, tmp_path / "src")
     config = json.loads((artifact / "config.json").read_text())
     for key in ("rope_parameters", "head_dim", "sliding_window", "attention_bias", "mlp_bias"):
@@ -115,7 +127,11 @@ def test_family_builds_and_matches_transformers(tmp_path, case):
     got = ours.logits(ids)
     err = (got - want).abs().max().item()
     print(case, "length", ids.shape[1], "max |logit diff|", err, "logit scale", want.abs().max().item())
-    assert err < 1e-5 * max(1.0, want.abs().max().item()), err  # measured: 2e-7 to 5e-7
+    assert err < 1e-5 * max(1.0, want.abs().max().item()), err  # measured: 2e-7 to 5e-7 (gemma2: 3e-6 at logit scale 3)
+    if FAMILIES[ref.config.model_type].softcaps:  # the triton decode kernel has no soft-cap: refused at load
+        with pytest.raises(ValueError, match=r"attn_logit_softcapping=2.0, Gemma 2\) runs on the C\+\+ decode kernel "
+                                             r"or torch SDPA; the triton decode kernel has no soft-cap yet"):
+            load_model(artifact, kernels=lambda dtype: SimpleNamespace(backend="triton"))
 
     # greedy tokens through the engine: chunked prefill, shared prefixes (cache hits), preemption
     cfg = ModelConfig.from_dir(artifact)
@@ -142,7 +158,8 @@ HAS_STEP = isa.at_least("avx2")
 
 @pytest.mark.skipif(not HAS_STEP, reason="this CPU has no AVX2 + FMA: no C++ step to check")
 @pytest.mark.parametrize("case,fused", [("qwen2-yarn", True), ("llama3", True), ("phi4-partial", True),
-                                        ("qwen3", False), ("llama-bias-dynamic", False), ("gemma", False)])
+                                        ("qwen3", False), ("llama-bias-dynamic", False), ("gemma", False),
+                                        ("gemma2", False)])
 def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case, fused):
     """The C++ step rotates with the model's own tables (YaRN's attention scaling and llama3's frequencies
     included): its tokens equal the Python loop's and its logprobs agree to bfloat16 step noise, while the
@@ -162,8 +179,9 @@ def test_fused_step_takes_scaled_rope_and_declines_what_it_lacks(tmp_path, case,
     print(case, model.step_path)
     if not fused:
         assert model.fused_step is None
-        assert re.search(r"python layer loop: (q/k norms|an o_proj bias|hidden_act gelu_pytorch_tanh \(GeGLU MLP\))",
-                         model.step_path), model.step_path
+        assert re.search(r"python layer loop: (q/k norms|an o_proj bias|hidden_act gelu_pytorch_tanh \(GeGLU MLP\)|"
+                         r"Gemma 2's sandwich norms, attention soft-cap and query_pre_attn_scalar)", model.step_path), \
+            model.step_path
         return
     step = model.fused_step
     assert step is not None and step.rotary is model.rotary and model.step_path.startswith("fused C++ step")
@@ -219,10 +237,9 @@ def test_rope_scaling_matches_transformers_tables():
      r"rope_parameters.rope_type='foo' is not supported for model_type mistral; supported: default, linear, "
      r"dynamic, llama3, yarn, longrope"),
     ("hidden_act", "relu", r"hidden_act='relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu"),
-    ("model_type", "gemma2", r"model_type 'gemma2' is not supported yet: logit and attention soft-capping, sandwich "
-                             r"norms.* are not implemented; supported: llama, qwen2, qwen3, mistral, phi3, gemma "
-                             r"\(gemma: Gemma 1\)"),
-    ("model_type", "gemma3_text", r"model_type 'gemma3_text' is not supported yet: .*alternating sliding-window"),
+    ("model_type", "gemma3_text", r"model_type 'gemma3_text' is not supported yet: sandwich norms, Gemma's q/k norms.*"
+                                  r"alternating sliding-window.* are not implemented; supported: llama, qwen2, qwen3, "
+                                  r"mistral, phi3, gemma, gemma2 \(gemma: Gemma 1, gemma2: Gemma 2\)"),
     ("model_type", "falcon", r"model_type 'falcon' is not supported; supported: llama, qwen2, qwen3, mistral, phi3, "
                              r"gemma"),
     ("use_bidirectional_attention", True, r"use_bidirectional_attention=True is not supported; supported: null or "
@@ -235,6 +252,28 @@ def test_unsupported_keys_are_refused_naming_key_and_values(key, value, match):
         check_config(cfg)
     with pytest.raises(UnsupportedConfig, match=match):
         ModelConfig.from_hf(cfg)
+
+
+def test_gemma2_config_reads_as_transformers():
+    """Gemma 2's keys as transformers reads them: without layer_types even layers slide (Gemma2Config's default,
+    what the hub's config.json files rely on), the soft-caps and query_pre_attn_scalar default to the class's
+    (50, 30, 256) and an explicit null turns a cap off; bad values are refused naming the key."""
+    cfg = _config("gemma2").to_dict()
+    want = transformers.Gemma2Config(**{**COMMON, "num_hidden_layers": 5}, sliding_window=WINDOW).layer_types
+    bare = {k: v for k, v in cfg.items() if k not in ("layer_types", "attn_logit_softcapping",
+                                                      "final_logit_softcapping", "query_pre_attn_scalar")}
+    got = ModelConfig.from_hf({**bare, "num_hidden_layers": 5})
+    assert got.layer_windows == tuple(WINDOW if t == "sliding_attention" else None for t in want)
+    assert (got.attn_softcap, got.final_softcap, got.query_pre_attn_scalar, got.attn_scale) == (50.0, 30.0, 256.0,
+                                                                                                 256 ** -0.5)
+    got = ModelConfig.from_hf({**cfg, "attn_logit_softcapping": None, "final_logit_softcapping": None})
+    assert (got.attn_softcap, got.final_softcap, got.attn_scale) == (0.0, 0.0, 24 ** -0.5)
+    assert got.sandwich_norms and got.hidden_act == "gelu_pytorch_tanh"
+    for key, value in (("attn_logit_softcapping", 0), ("final_logit_softcapping", "30"), ("query_pre_attn_scalar", -1),
+                       ("query_pre_attn_scalar", None)):
+        with pytest.raises(UnsupportedConfig, match=rf"config.json {key}={value!r} is not supported; supported: a "
+                                                    r"positive number"):
+            check_config({**cfg, key: value})
 
 
 def test_infer_build_refuses_before_any_stage(tmp_path):
@@ -330,7 +369,7 @@ def test_phi3_aliases_and_family_declaration():
     cfg["rope_parameters"]["rope_type"] = "llama3"
     with pytest.raises(UnsupportedConfig, match=r"supported: default, longrope, su \(= longrope\)"):
         ModelConfig.from_hf(cfg)
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2"}
 
 
 def test_readme_lists_families_from_the_declaration():

@@ -386,3 +386,98 @@ def test_kernel_refuses_a_start_outside_the_context():
                        (torch.tensor([-1, 0, 0]), "start -1 of sequence 0"), (torch.tensor([0, 0]), "starts must be")):
         with pytest.raises(RuntimeError, match=match):
             cpu_attention.paged_decode_attention(q, k, v, tables, lens, 0.125, bad)
+
+
+# ---------------------------------------------------------------- Gemma 2's attention logit soft-capping
+def capped_reference(q, k, v, tables, lens, starts, scale, cap):
+    """float64 attention of each row over its keys from its start: scores tanh(s * scale / cap) * cap."""
+    out = []
+    kv_heads, d = k.shape[2], k.shape[3]
+    group = q.shape[1] // kv_heads
+    for i in range(q.shape[0]):
+        keys = k[tables[i]].reshape(-1, kv_heads, d)[starts[i]:lens[i]].double().repeat_interleave(group, 1)
+        vals = v[tables[i]].reshape(-1, kv_heads, d)[starts[i]:lens[i]].double().repeat_interleave(group, 1)
+        s = torch.einsum("hd,thd->ht", q[i].double(), keys) * scale
+        p = torch.softmax(torch.tanh(s / cap) * cap, dim=-1)
+        out.append(torch.einsum("ht,thd->hd", p, vals))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("case", ["float32", "bfloat16-avx512bf16", "bfloat16-float", "int8-registers", "int8-general"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 40)])
+def test_kernel_soft_caps_the_scores(case, heads, kv_heads, head_dim):
+    """softcap > 0: every path (register tasks for head_dim 64/128, the general loops for 40, bfloat16's
+    AVX-512 BF16 task, int8's both) caps the scaled scores as transformers' Gemma 2 does, with and without
+    window starts; the scale is not head_dim's (query_pre_attn_scalar's); softcap 0 is the plain kernel."""
+    dtype, _, path = case.partition("-")
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    if dtype == "int8":
+        from test_kv_quant import quantized_paged
+        q, k, v, tables, lens = quantized_paged(7, heads, kv_heads, head_dim)
+        keys, vals = cpu_attention.dequantize(k), cpu_attention.dequantize(v)
+    else:
+        q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, getattr(torch, dtype))
+        keys, vals = k, v
+    rounding, tol = (0.0, 1e-5) if dtype == "float32" else (2 ** -8, 2e-3)
+    scale, cap = 0.5 / head_dim ** 0.5 * 3, 1.5  # scores of a few units: the cap bends them
+    starts = random_starts(lens, gen)
+    module = cpu_attention.load()
+    if path == "avx512bf16" and not module.use_bf16_path(True):
+        pytest.skip("this CPU has no AVX-512 BF16: only the float path exists here (the 'float' case ran)")
+    module.use_bf16_path(path != "float")
+    module.use_q8_fixed_path(path == "registers")
+    try:
+        got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=cap)
+        windowed = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, starts, softcap=cap)
+        uncapped = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=0.0)
+        plain = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale)
+    finally:
+        module.use_bf16_path(True)
+        module.use_q8_fixed_path(True)
+    zeros = torch.zeros_like(lens)
+    for out, first in ((got, zeros), (windowed, starts)):
+        want = capped_reference(q, keys, vals, tables, lens, first, scale, cap)
+        err = ((out.double() - want).abs() - want.abs() * rounding).max().item()
+        print(case, "max |diff| beyond rounding", err)
+        assert err < tol
+    assert torch.equal(uncapped, plain)  # softcap 0: the kernel as before, bit for bit
+    assert (plain.double() - capped_reference(q, keys, vals, tables, lens, zeros, scale, cap)).abs().max() > 0.05
+    with pytest.raises(RuntimeError, match="softcap must be 0 \\(none\\) or positive; got -1"):
+        cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=-1.0)
+
+
+@pytest.mark.parametrize("kernel", [None, cpu_attention.paged_decode_attention], ids=["sdpa", "cpp"])
+def test_paged_attention_soft_caps_prefill_and_decode_rows(kernel):
+    """PagedAttention given a scale and a soft-cap: its decode rows (the C++ kernel, or explicit scores where
+    SDPA would be) and a prompt chunk after cached tokens and one starting a sequence (explicit scores)
+    against float64."""
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    heads, kvh, d, bs = 4, 2, 32, 4
+    scale, cap = 0.4, 1.5
+    cache = torch.zeros(1, 2, 16, bs, kvh, d)
+    # seq a: 6 cached tokens + 1 decode; seq b: a chunk of 3 after 5 cached; seq c: a fresh chunk of 4
+    table_a, table_b, table_c = [3, 7], [1, 9], [5]
+    for table, n in ((table_a, 6), (table_b, 5)):
+        for p in range(n):
+            cache[0, :, table[p // bs], p % bs] = torch.randn(2, kvh, d, generator=gen) * 2
+    q, k, v = (torch.randn(8, h, d, generator=gen) * 2 for h in (heads, kvh, kvh))
+    slots = [table_a[6 // bs] * bs + 6 % bs] + [table_b[p // bs] * bs + p % bs for p in range(5, 8)] + \
+        [table_c[0] * bs + p for p in range(4)]
+    ctx = PagedAttention(cache, bs, torch.tensor(slots), [PrefillChunk(1, 3, 8, torch.tensor(table_b)),
+                                                          PrefillChunk(4, 4, 4, torch.tensor(table_c))],
+                         torch.tensor([0]), torch.tensor([table_a]), torch.tensor([7]), decode_kernel=kernel)
+    out = ctx.attend(0, q, k, v, scale, cap)
+    kc, vc = cache[0, 0], cache[0, 1]
+    want = [capped_reference(q[0:1], kc, vc, torch.tensor([table_a]), [7], [0], scale, cap)[0]]
+    for table, row0, cached, n in ((table_b, 1, 5, 3), (table_c, 4, 0, 4)):
+        for j in range(n):
+            want.append(capped_reference(q[row0 + j:row0 + j + 1], kc, vc, torch.tensor([table]), [cached + j + 1],
+                                         [0], scale, cap)[0])
+    err = (out.double() - torch.stack(want)).abs().max().item()
+    print("max |diff|", err)
+    assert err < 1e-5
+    assert (ctx.attend(0, q, k, v, scale).double() - torch.stack(want)).abs().max() > 0.05  # the cap mattered

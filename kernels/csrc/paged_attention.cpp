@@ -60,6 +60,13 @@ inline void softmax_row(float* s, int64_t len) {
   for (int64_t t = 0; t < len; ++t) s[t] *= inv;
 }
 
+// Attention logit soft-capping (Gemma 2): each score becomes tanh(score / cap) * cap, after the scale and
+// before the softmax, as transformers computes it. cap 0: none (the scores are left untouched).
+inline void cap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
+
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
@@ -229,7 +236,7 @@ inline void softmax_visible(float* s, int64_t len, int64_t skip) {
 template <typename T, int G, int D>
 void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
                 int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
-                float* acc_out) {
+                float* acc_out, float softcap) {
   vecf q[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) q[g][d] = vload(qf + g * D * kVec + d * kVec);
@@ -243,6 +250,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
       scores[g * len + t] = vsum(a);
     }
   }
+  cap_scores(scores, G * len, softcap);
   for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
   vecf acc[G][D];
   for (int g = 0; g < G; ++g)
@@ -265,7 +273,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
 template <int G, int D>
 void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table, int64_t len,
              int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
-             float* acc_out) {
+             float* acc_out, float softcap) {
   constexpr int64_t head_dim = D * kVec;
   vecf q[G][D];
   for (int g = 0; g < G; ++g)
@@ -281,6 +289,7 @@ void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, cons
       scores[g * len + t] = vsum(a) * ks;
     }
   }
+  cap_scores(scores, G * len, softcap);
   for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
   vecf acc[G][D];
   for (int g = 0; g < G; ++g)
@@ -340,7 +349,7 @@ struct TokenRows {
 template <int G, int KD>
 void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
                int64_t len, int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride,
-               int64_t kv_offset, float scale, float* scores, float* acc_out) {
+               int64_t kv_offset, float scale, float* scores, float* acc_out, float softcap) {
   __m512bh qv[G][KD];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < KD; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q[g] + 32 * c);
@@ -362,6 +371,7 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
       _mm512_mask_storeu_ps(scores + g * len + t0, valid, _mm512_mul_ps(sum_lanes16(acc), sc));
     }
   }
+  cap_scores(scores, G * len, softcap);
   for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
   // a raw 32-lane bfloat16 vector widens to its even lanes (x << 16) and its odd ones (x & 0xffff0000):
   // acc[g][2c] holds dims 32c, 32c + 2, ..., acc[g][2c + 1] dims 32c + 1, 32c + 3, ...
@@ -394,7 +404,7 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
 }
 
 using Bf16Task = void (*)(const uint16_t* const*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float*, float*);
+                          int64_t, int64_t, int64_t, int64_t, float, float*, float*, float);
 
 // Whether a bfloat16 cache takes bf16_task: tests turn it off to check the float path on this host
 // (the one a CPU without AVX-512 BF16 runs).
@@ -418,14 +428,14 @@ inline Bf16Task pick_bf16_task(int64_t group, int64_t head_dim) {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 using FixedTask = void (*)(const float*, const void*, const void*, const int64_t*, int64_t, int64_t, int64_t,
-                           int64_t, int64_t, int64_t, float*, float*);
+                           int64_t, int64_t, int64_t, float*, float*, float);
 
 template <typename T, int G, int D>
 void fixed_task_erased(const float* qf, const void* k, const void* v, const int64_t* table, int64_t len,
                        int64_t skip, int64_t bs, int64_t block_stride, int64_t token_stride, int64_t off, float* scores,
-                       float* acc) {
+                       float* acc, float softcap) {
   fixed_task<T, G, D>(qf, static_cast<const T*>(k), static_cast<const T*>(v), table, len, skip, bs, block_stride,
-                      token_stride, off, scores, acc);
+                      token_stride, off, scores, acc, softcap);
 }
 
 // The specialised task for this shape, or nullptr for the general path.
@@ -442,7 +452,7 @@ FixedTask pick_fixed_task(int64_t group, int64_t head_dim) {
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 using Q8Task = void (*)(const float*, const int8_t*, const int8_t*, const int64_t*, int64_t, int64_t, int64_t,
-                        int64_t, int64_t, int64_t, float*, float*);
+                        int64_t, int64_t, int64_t, float*, float*, float);
 
 // The int8 task for this shape, or nullptr for the general loops.
 inline Q8Task pick_q8_task(int64_t group, int64_t head_dim) {
@@ -477,7 +487,7 @@ inline Visible visible(int64_t context_len, int64_t start, int64_t block_size) {
 template <typename T>
 void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale) {
+                      int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, float softcap) {
   const int64_t group = num_heads / num_kv_heads, row_bytes = head_dim + 2;
   const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -497,7 +507,7 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
 #if defined(__AVX512F__) || defined(__AVX2__)
       if (fixed != nullptr) {
         fixed(qf.data(), k_cache, v_cache, table, len, skip, block_size, block_stride, token_stride, kvh * row_bytes,
-              scores.data(), acc.data());
+              scores.data(), acc.data(), softcap);
       } else
 #endif
       {
@@ -514,6 +524,7 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
             scores[g * len + t] = dot * ks;
           }
         }
+        cap_scores(scores.data(), group * len, softcap);
         for (int64_t g = 0; g < group; ++g) {
           softmax_row(scores.data() + g * len + skip, len - skip);
           std::fill_n(scores.data() + g * len, skip, 0.f);
@@ -541,7 +552,7 @@ template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                   float scale) {
+                   float scale, float softcap) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;    // between tokens of a block
   const int64_t block_stride = block_size * token_stride;  // between blocks
@@ -574,7 +585,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           qrows[g] = reinterpret_cast<const uint16_t*>(q + (s * num_heads + kvh * group + g) * head_dim);
         scores.resize(group * len);
         bf16(qrows, reinterpret_cast<const uint16_t*>(k_cache), reinterpret_cast<const uint16_t*>(v_cache), table, len,
-             skip, block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data());
+             skip, block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data(), softcap);
         write_out();
         continue;
       }
@@ -586,7 +597,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
       if (fixed != nullptr) {
         for (int64_t i = 0; i < group * head_dim; ++i) qf[i] *= scale;
         fixed(qf.data(), k_cache, v_cache, table, len, skip, block_size, block_stride, token_stride, kvh * head_dim,
-              scores.data(), acc.data());
+              scores.data(), acc.data(), softcap);
         write_out();
         continue;
       }
@@ -610,6 +621,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           scores[g * len + t] = dot * scale;
         }
       }
+      cap_scores(scores.data(), group * len, softcap);
       for (int64_t g = 0; g < group; ++g) {
 #if defined(__AVX512F__)
         softmax_inplace(scores.data() + g * len + skip, len - skip);
@@ -650,10 +662,11 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 // heads, head_dim]. Every index is checked before any is used (the kernel reads the cache through them): a
 // context length in 1 .. max_blocks * block_size, a start in 0 .. length - 1, and each block id it reaches
 // in 0 .. blocks - 1. Entries of a table before its start's block or past its context are never read and
-// may hold anything.
+// may hold anything. softcap > 0: each scaled score becomes tanh(score / softcap) * softcap before the
+// softmax (Gemma 2's attention logit soft-capping); 0: none.
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> starts_opt) {
+                                     c10::optional<torch::Tensor> starts_opt, double softcap = 0.0) {
   for (const auto& t : {q, k_cache, v_cache, block_tables, context_lens})
     TORCH_CHECK(t.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -703,6 +716,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block id ", table[b],
                   " at block_tables[", s, "][", b, "] is outside the cache's ", num_blocks, " blocks");
   }
+  TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap must be 0 (none) or positive; got ", softcap);
   auto out = torch::empty_like(q);
   const auto run = [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -710,13 +724,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       decode_kernel_q8<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
                                  block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), starts,
                                  out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                                 max_blocks, static_cast<float>(scale));
+                                 max_blocks, static_cast<float>(scale), static_cast<float>(softcap));
       return;
     }
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), starts,
                             out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                            max_blocks, static_cast<float>(scale));
+                            max_blocks, static_cast<float>(scale), static_cast<float>(softcap));
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -790,7 +804,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: the server's event loop goes on while a layer attends
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("starts") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>());
   m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("use_bf16_path", [](bool on) {

@@ -11,7 +11,10 @@ anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the sa
 builds (masks, indices, outputs) goes on the device of the tensors it is given. An int8 (quantized)
 cache takes the C++ store and decode kernels only, every row a decode row (runtime/engine/model_runner.py);
 so does a model with sliding-window layers, whose decode rows then carry their window's first position
-(``decode_starts``), read by those layers only.
+(``decode_starts``), read by those layers only. The caller gives each attend its scale (the model
+config's: query_pre_attn_scalar for Gemma 2, else head_dim) and its attention logit soft-cap (Gemma 2; 0:
+none): the decode kernel and the SDPA paths (explicit scores where there is a cap) apply both; the chunk
+and prefill kernels have no cap, so a capped model's chunks never go to them.
 """
 
 from __future__ import annotations
@@ -71,9 +74,18 @@ class PagedAttention:
         self.in_place = [_ChunksInPlace(chunks, kernel) for kernel, chunks in in_place.items()]
         self.padded = _PaddedChunks(after_cache if chunk_kernel is None else [], block_size, kv_cache.dtype)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+               softcap: float = 0.0) -> torch.Tensor:
+        """``scale``: the scores' (None: head_dim ** -0.5, SDPA's default); ``softcap`` > 0: scores become
+        tanh(score / softcap) * softcap before the softmax."""
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         kvh, d = k.shape[1], k.shape[2]
+        kernel_scale = d ** -0.5 if scale is None else scale
+        cap = {"softcap": softcap} if softcap else {}  # the kernels' results bit for bit as before without one
+        if softcap and self.in_place:
+            raise ValueError("attention logit soft-capping (Gemma 2) is not implemented in the chunk and prefill "
+                             "kernels: such a model's prompt chunks take the decode kernel or SDPA "
+                             "(runtime/engine/model_runner.py)")
         if self.store_kv is not None:
             self.store_kv(k_cache, v_cache, self.slot_mapping, k, v)
         else:
@@ -83,38 +95,61 @@ class PagedAttention:
         starts = self.decode_starts if windowed else None
         if self.decodes_only and self.decode_kernel is not None:
             if starts is not None:
-                return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5, starts)
-            return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
+                return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, kernel_scale,
+                                          starts, **cap)
+            return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, kernel_scale, **cap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = q.shape[1] // kvh
         for c in self.fresh:  # nothing cached before: attend within the chunk
             rows = slice(c.start, c.start + c.length)
-            out[rows] = _causal_chunk(q[rows], k[rows], v[rows], group)
+            out[rows] = _causal_chunk(q[rows], k[rows], v[rows], group, scale, softcap)
         for chunks in self.in_place:
-            chunks.attend(q, k_cache, v_cache, out)
+            chunks.attend(q, k_cache, v_cache, out, kernel_scale)
         if self.padded.count:
-            self.padded.attend(q, k_cache, v_cache, out)
+            self.padded.attend(q, k_cache, v_cache, out, scale, softcap)
         if len(self.decode_rows):
             nd = len(self.decode_rows)
             if self.decode_kernel is not None:
                 qd = q.index_select(0, self.decode_rows)
-                od = self.decode_kernel(qd, k_cache, v_cache, self.decode_blocks, self.decode_lens, d ** -0.5)
+                od = self.decode_kernel(qd, k_cache, v_cache, self.decode_blocks, self.decode_lens, kernel_scale, **cap)
                 out.index_copy_(0, self.decode_rows, od)
                 return out
             # fold the query heads sharing a KV head into the query axis: no K/V repeat for GQA
             qd = q.index_select(0, self.decode_rows).view(nd, kvh, group, d)
             kd = k_cache.index_select(0, self.decode_blocks.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
             vd = v_cache.index_select(0, self.decode_blocks.flatten()).view(nd, -1, kvh, d).transpose(1, 2)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=self.window_mask if windowed else self.decode_mask)
+            od = attention(qd, kd, vd, self.window_mask if windowed else self.decode_mask, scale, softcap)
             out.index_copy_(0, self.decode_rows, od.reshape(nd, kvh * group, d))
         return out
 
 
-def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """SDPA over [..., heads, n, d] (k/v heads may be fewer: GQA) with a boolean or additive mask (None:
+    causal), scale None: d ** -0.5; with a soft-cap, explicit scores (tanh(s / cap) * cap, then the mask,
+    softmax in float32, as transformers' eager attention computes them), which SDPA cannot do."""
+    if not softcap:
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                  enable_gqa=q.shape[-3] != k.shape[-3])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                              enable_gqa=q.shape[-3] != k.shape[-3])
+    if q.shape[-3] != k.shape[-3]:
+        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask is None:
+        n, m = s.shape[-2], s.shape[-1]
+        mask = torch.ones(n, m, dtype=torch.bool, device=s.device).tril(m - n)
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return torch.softmax(s, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _causal_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, scale: float | None = None,
+                  softcap: float = 0.0) -> torch.Tensor:
     """Causal attention within one chunk: q, k, v [n, heads, d] -> [n, heads, d]."""
     qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, enable_gqa=group > 1)
-    return o[0].transpose(0, 1)
+    return attention(qt, kt, vt, None, scale, softcap)[0].transpose(0, 1)
 
 
 def _chunk_indices(chunks: list[PrefillChunk]):
@@ -134,8 +169,8 @@ class _ChunksInPlace:
         self.kernel = kernel
         self.tables, self.starts, self.lengths, self.cached = _chunk_indices(chunks)
 
-    def attend(self, q, k_cache, v_cache, out) -> None:
-        self.kernel(q, k_cache, v_cache, out, self.starts, self.lengths, self.cached, self.tables, q.shape[2] ** -0.5)
+    def attend(self, q, k_cache, v_cache, out, scale: float) -> None:
+        self.kernel(q, k_cache, v_cache, out, self.starts, self.lengths, self.cached, self.tables, scale)
 
 
 class _PaddedChunks:
@@ -162,11 +197,11 @@ class _PaddedChunks:
         visible = keys[None, None, :] <= (cached[:, None] + i[None, :]).masked_fill(~valid, 0)[:, :, None]
         self.mask = torch.zeros(visible.shape, dtype=dtype, device=starts.device).masked_fill_(~visible, float("-inf"))[:, None]
 
-    def attend(self, q, k_cache, v_cache, out) -> None:
+    def attend(self, q, k_cache, v_cache, out, scale: float | None = None, softcap: float = 0.0) -> None:
         c, n, heads, d = self.count, self.n, q.shape[1], q.shape[2]
         kvh = k_cache.shape[2]
         kc = k_cache.index_select(0, self.tables.flatten()).view(c, -1, kvh, d).transpose(1, 2)
         vc = v_cache.index_select(0, self.tables.flatten()).view(c, -1, kvh, d).transpose(1, 2)
         qc = q.index_select(0, self.rows).view(c, n, heads, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=self.mask, enable_gqa=heads != kvh)
+        o = attention(qc, kc, vc, self.mask, scale, softcap)
         out.index_copy_(0, self.out_rows, o.transpose(1, 2).reshape(c * n, heads, d).index_select(0, self.valid))

@@ -34,8 +34,6 @@ REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "llama3": (
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 # families transformers knows that this runtime does not implement yet, and what they need that it lacks
 NOT_YET = {
-    "gemma2": "logit and attention soft-capping, sandwich norms, query_pre_attn_scalar, alternating sliding-window "
-              "layers",
     "gemma3_text": "sandwich norms, Gemma's q/k norms, query_pre_attn_scalar, alternating sliding-window layers with "
                    "their own rope_theta",
     "gemma3": "the vision tower, and what gemma3_text lacks",
@@ -68,6 +66,15 @@ class Family:
     embed_scale: bool = False
     norm_offset: bool = False
     tied_default: bool = False  # tie_word_embeddings where config.json leaves it out (transformers' class default)
+    # Gemma 2: the attention output and the MLP's output RMS-normed before each joins the residual stream
+    # (post_attention_layernorm, post_feedforward_layernorm), the MLP's input by pre_feedforward_layernorm
+    sandwich_norms: bool = False
+    # Gemma 2: reads attn_logit_softcapping and final_logit_softcapping (tanh(x / cap) * cap on the attention
+    # scores and on the logits) and query_pre_attn_scalar (the attention scale is its -1/2 power, not head_dim's)
+    softcaps: bool = False
+    # Gemma 2: where config.json lists no layer_types, even layers slide and odd ones attend in full
+    # (transformers' Gemma2Config default)
+    alternating_windows: bool = False
 
 
 FAMILIES = {f.model_type: f for f in (
@@ -80,6 +87,9 @@ FAMILIES = {f.model_type: f for f in (
     Family("gemma", "Gemma 1 (2B, 7B), CodeGemma", attention_bias="attention_bias",
            act_keys=("hidden_activation", "hidden_act"), default_act="gelu_pytorch_tanh", embed_scale=True,
            norm_offset=True, tied_default=True),
+    Family("gemma2", "Gemma 2 (2B, 9B, 27B)", attention_bias="attention_bias",
+           act_keys=("hidden_activation", "hidden_act"), default_act="gelu_pytorch_tanh", embed_scale=True,
+           norm_offset=True, tied_default=True, sandwich_norms=True, softcaps=True, alternating_windows=True),
 )}
 
 
@@ -127,12 +137,15 @@ def sliding_window(cfg: dict) -> int | None:
 def layer_windows(cfg: dict) -> tuple[int | None, ...] | None:
     """Each layer's attention window (None: full attention), or None when every layer attends in full.
     transformers' rule: ``layer_types`` where the config lists them (Qwen2/Qwen3: sliding from
-    ``max_window_layers`` on), else every layer slides when a window is set (Mistral, Phi-3). A window of
-    at least max_position_embeddings never cuts anything the engine serves, so it counts as full."""
+    ``max_window_layers`` on; Gemma 2: even layers), else every layer slides when a window is set (Mistral,
+    Phi-3). A window of at least max_position_embeddings never cuts anything the engine serves, so it counts as
+    full."""
     window, layers = sliding_window(cfg), cfg["num_hidden_layers"]
     if window is None or window >= cfg.get("max_position_embeddings", 2048):
         return None
     types = cfg.get("layer_types")
+    if types is None and FAMILIES[cfg["model_type"]].alternating_windows:
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     if types is None and FAMILIES[cfg["model_type"]].window_flag is not None:
         first = cfg.get("max_window_layers", layers)
         types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
@@ -144,13 +157,23 @@ def layer_windows(cfg: dict) -> tuple[int | None, ...] | None:
     return windows if any(windows) else None
 
 
+def softcaps(cfg: dict) -> tuple[float, float, float | None]:
+    """(attention logit soft-cap, final logit soft-cap, query_pre_attn_scalar) as the family reads them: caps of
+    0.0 where none, the scalar None where the scale is head_dim's. Gemma 2's class defaults where config.json
+    leaves a key out (50.0, 30.0, 256): an explicit null turns a cap off."""
+    if not FAMILIES[cfg["model_type"]].softcaps:
+        return 0.0, 0.0, None
+    attn, final = cfg.get("attn_logit_softcapping", 50.0), cfg.get("final_logit_softcapping", 30.0)
+    return float(attn or 0.0), float(final or 0.0), float(cfg.get("query_pre_attn_scalar", 256))
+
+
 def check_config(cfg: dict) -> Family:
     """Raises UnsupportedConfig for a family or key value this runtime does not implement; returns the family."""
     model_type = cfg.get("model_type")
     family = FAMILIES.get(model_type)
     if model_type in NOT_YET:
         raise UnsupportedConfig(f"model_type {model_type!r} is not supported yet: {NOT_YET[model_type]} are not "
-                                f"implemented; supported: {', '.join(FAMILIES)} (gemma: Gemma 1)")
+                                f"implemented; supported: {', '.join(FAMILIES)} (gemma: Gemma 1, gemma2: Gemma 2)")
     if family is None:
         raise UnsupportedConfig(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
     key, act = hidden_act(cfg)
@@ -181,6 +204,13 @@ def check_config(cfg: dict) -> Family:
     if window is not None and (not isinstance(window, int) or window < 1):
         raise _refuse("sliding_window", window, "null or a positive number of tokens")
     layer_windows(cfg)  # refuses layer_types it cannot read
+    if family.softcaps:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = cfg.get(key, 1.0)  # left out: the class default
+            nullable = key != "query_pre_attn_scalar"
+            if (value is None and not nullable or value is not None and (
+                    isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0)):
+                raise _refuse(key, value, "a positive number" + (" or null (no soft-capping)" if nullable else ""))
     return family
 
 
@@ -194,7 +224,8 @@ def markdown_table() -> str:
                                                                        f.rope_aliases.items())
         biases = bias[f.attention_bias] + ("; gate/up/down per `mlp_bias`" if f.mlp_bias else "")
         window = (f"off unless `{f.window_flag}`; sliding from `max_window_layers` on, or per `layer_types`"
-                  if f.window_flag else "every layer, or per `layer_types`")
+                  if f.window_flag else "even layers, or per `layer_types`" if f.alternating_windows
+                  else "every layer, or per `layer_types`")
         if f.partial_rotary:
             types += "; `partial_rotary_factor`"
         rows.append(f"| `{f.model_type}` | {f.examples} | {types} | {'yes' if f.qk_norm else 'no'} | {biases} "
@@ -205,6 +236,10 @@ def markdown_table() -> str:
         + " ".join(f"`{f.model_type}`: embeddings times sqrt(hidden_size), RMSNorm scaling by (1 + weight), the "
                    f"activation read from {' else '.join(f'`{k}`' for k in f.act_keys)}." for f in FAMILIES.values()
                    if f.embed_scale or f.norm_offset)
+        + " ".join(f" `{f.model_type}`: also `attn_logit_softcapping` and `final_logit_softcapping` (tanh(x / cap) "
+                   "* cap on the attention scores and the logits; null: none), the attention scale "
+                   "`query_pre_attn_scalar`^-1/2, post-attention and pre/post-feedforward norms, and (without "
+                   "`layer_types`) even layers sliding, odd ones full." for f in FAMILIES.values() if f.softcaps)
         + " A `sliding_window` below max_position_embeddings: a sliding layer's query sees the last "
         "`sliding_window` positions (transformers' rule); where every layer slides, the KV blocks behind the window "
         "go back to the pool, so a conversation holds about a window of cache however long it grows. Such models "

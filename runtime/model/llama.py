@@ -1,8 +1,9 @@
-"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3, Gemma).
+"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2).
 
 The families differ by a few config-driven branches (q/k norms, which projections carry biases, the
 rotary embedding's scaling, a checkpoint with fused projections, the MLP's activation, Gemma's scaled
-embeddings and (1 + weight) norms), declared in runtime/model/families.py.
+embeddings and (1 + weight) norms, Gemma 2's sandwich norms, soft-capping and attention scale), declared in
+runtime/model/families.py.
 
 Tokens travel flattened, as one ``[T, hidden]`` tensor for the whole step, so a step can mix
 prompt chunks and single decode tokens of many sequences. How attention sees the rest of each
@@ -26,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..engine.attention import attention
 from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act, layer_windows, partial_rotary_factor,
-                       rope_parameters)
+                       rope_parameters, softcaps)
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -62,10 +64,19 @@ class ModelConfig:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the model's dtype (Gemma)
     # RMSNorm scales by (1 + weight) in float32, then rounds (Gemma): the loader stores 1 + weight in float32
     norm_offset: bool = False
+    sandwich_norms: bool = False  # attention and MLP outputs normed before the residual add (Gemma 2)
+    attn_softcap: float = 0.0  # attention scores become tanh(s / cap) * cap (Gemma 2); 0: none
+    final_softcap: float = 0.0  # the logits likewise (Gemma 2); 0: none
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (Gemma 2); None: head_dim's
 
     @property
     def rotary_dims(self) -> int:
         return self.rotary_dim or self.head_dim
+
+    @property
+    def attn_scale(self) -> float | None:
+        """The attention scores' scale, or None for head_dim ** -0.5 (the attention contexts' default)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar ** -0.5
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -89,6 +100,7 @@ class ModelConfig:
         bias = cfg.get("attention_bias", False)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rotary_dim = int(head_dim * partial_rotary_factor(cfg))
+        attn_softcap, final_softcap, scalar = softcaps(cfg)
         if rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor turns {rotary_dim} of a head's {head_dim} dims: must be even")
         return cls(
@@ -117,6 +129,10 @@ class ModelConfig:
             hidden_act=hidden_act(cfg)[1],
             embed_scale=family.embed_scale,
             norm_offset=family.norm_offset,
+            sandwich_norms=family.sandwich_norms,
+            attn_softcap=attn_softcap,
+            final_softcap=final_softcap,
+            query_pre_attn_scalar=scalar,
         )
 
     @classmethod
@@ -291,6 +307,7 @@ class Attention(nn.Module):
         # Qwen3: each head of q and k RMS-normed before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
 
     def forward(self, x, rotary: RotaryEmbedding, rope, ctx) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -302,8 +319,11 @@ class Attention(nn.Module):
         rotary.rotate_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         d = self.head_dim
-        out = ctx.attend(self.layer_idx, q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d),
-                         v.view(-1, self.num_kv_heads, d))
+        q, k, v = q.view(-1, self.num_heads, d), k.view(-1, self.num_kv_heads, d), v.view(-1, self.num_kv_heads, d)
+        if self.scale is None and not self.softcap:  # every attention context's default
+            out = ctx.attend(self.layer_idx, q, k, v)
+        else:
+            out = ctx.attend(self.layer_idx, q, k, v, self.scale, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -335,10 +355,17 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        # Gemma 2: post_attention_layernorm norms the attention output, these the MLP's input and output
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
 
     def forward(self, x, residual, rotary, rope, ctx):
         """x: the previous block's output (or the embeddings, with residual None); returns the same pair."""
         x, residual = self.input_layernorm(x, residual)
+        if self.pre_feedforward_layernorm is not None:  # residual + norm(attn), then residual + norm(mlp)
+            x = self.post_attention_layernorm(self.self_attn(x, rotary, rope, ctx))[0]
+            x, residual = self.pre_feedforward_layernorm(x, residual)
+            return self.post_feedforward_layernorm(self.mlp(x))[0], residual
         x, residual = self.post_attention_layernorm(self.self_attn(x, rotary, rope, ctx), residual)
         return self.mlp(x), residual
 
@@ -393,7 +420,10 @@ class Transformer(nn.Module):
                 m.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """float32 logits; Gemma 2's final soft-cap applied in float32."""
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     @torch.inference_mode()
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -411,16 +441,16 @@ class DenseCausalContext:
     def __init__(self, batch: int, length: int, layer_windows: tuple[int | None, ...] | None = None):
         self.batch, self.length, self.layer_windows = batch, length, layer_windows
 
-    def attend(self, layer_idx, q, k, v):
+    def attend(self, layer_idx, q, k, v, scale: float | None = None, softcap: float = 0.0):
+        """``scale`` None: head_dim ** -0.5; ``softcap``: Gemma 2's, explicit scores (SDPA has none)."""
         b, n = self.batch, self.length
         q, k, v = (t.view(b, n, t.shape[1], t.shape[2]).transpose(1, 2) for t in (q, k, v))
         window = self.layer_windows[layer_idx] if self.layer_windows else None
+        visible = None  # causal
         if window is not None and window < n:
             i = torch.arange(n, device=q.device)
             visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=q.shape[1] != k.shape[1])
-            return out.transpose(1, 2).reshape(b * n, -1, q.shape[-1])
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        out = attention(q, k, v, visible, scale, softcap)
         return out.transpose(1, 2).reshape(b * n, -1, q.shape[-1])
 
 

@@ -178,6 +178,10 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
         kernels = resolve(kernels, dtype=dtype, head_dim=cfg.head_dim, device=device)
     elif callable(kernels):
         kernels = kernels(dtype)
+    if cfg.attn_softcap and kernels.backend == "triton":
+        raise ValueError(f"attention logit soft-capping (config.json attn_logit_softcapping={cfg.attn_softcap}, "
+                         f"Gemma 2) runs on the C++ decode kernel or torch SDPA; the triton decode kernel has no "
+                         f"soft-cap yet: use kernels=cpp or kernels=torch")
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = set(model.state_dict())
