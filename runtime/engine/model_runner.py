@@ -169,6 +169,8 @@ class ModelRunner:
                 raise ValueError(f"sliding-window attention (window {self.window}) runs on the CPU kernels or torch "
                                  f"SDPA; the triton decode kernel has no window yet: use kernels=cpp or kernels=torch")
             self.chunk_kernel = self.prefill_kernel = None  # they attend causally from 0; chunks run as decode rows
+        if cfg.attn_softcap:
+            self.chunk_kernel = self.prefill_kernel = None  # they have no soft-cap: prompt chunks take explicit-score SDPA
         self.decode_rows_only = self.quantized_kv or self.window is not None
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
                                     kv_row(cfg.head_dim, kv_dtype), dtype=kv_dtype, device=self.device)
