@@ -330,11 +330,10 @@ def random_starts(lens: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return starts.clamp(0, None)
 
 
-# a 16-bit or float32 cache takes the register task for head_dim 64/128 and the general loops for 40; an
-# int8 cache's register task is switched off to check its general loops on every shape
-@pytest.mark.parametrize("case", ["float32", "bfloat16-avx512bf16", "bfloat16-float", "int8-registers", "int8-general"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 40)])
-def test_kernel_attends_from_each_rows_start_and_never_reads_blocks_before_it(case, heads, kv_heads, head_dim):
+def paged_case(case: str, heads: int, kv_heads: int, head_dim: int):
+    """(q, k, v, tables, lens, the cache as float keys and values, the path, a generator) for a case named
+    "dtype[-path]": a random float32/bfloat16 cache, or an int8 one written by store_kv_ (its float keys and
+    values dequantized), 7 sequences; the seed printed."""
     dtype, _, path = case.partition("-")
     seed = torch.initial_seed()
     print("seed", seed)
@@ -342,10 +341,18 @@ def test_kernel_attends_from_each_rows_start_and_never_reads_blocks_before_it(ca
     if dtype == "int8":
         from test_kv_quant import quantized_paged
         q, k, v, tables, lens = quantized_paged(7, heads, kv_heads, head_dim)
-        keys, vals = cpu_attention.dequantize(k), cpu_attention.dequantize(v)
-    else:
-        q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, getattr(torch, dtype))
-        keys, vals = k, v
+        return q, k, v, tables, lens, cpu_attention.dequantize(k), cpu_attention.dequantize(v), path, gen
+    q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, getattr(torch, dtype))
+    return q, k, v, tables, lens, k, v, path, gen
+
+
+# a 16-bit or float32 cache takes the register task for head_dim 64/128 and the general loops for 40; an
+# int8 cache's register task is switched off to check its general loops on every shape
+@pytest.mark.parametrize("case", ["float32", "bfloat16-avx512bf16", "bfloat16-float", "int8-registers", "int8-general"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 40)])
+def test_kernel_attends_from_each_rows_start_and_never_reads_blocks_before_it(case, heads, kv_heads, head_dim):
+    q, k, v, tables, lens, keys, vals, path, gen = paged_case(case, heads, kv_heads, head_dim)
+    dtype = case.partition("-")[0]
     # float32 arithmetic's error, and a 16-bit output's rounding (2^-9 relative) where q is 16-bit
     rounding, tol = (0.0, 1e-5) if dtype == "float32" else (2 ** -8, 2e-3)
     lens[:3] = torch.tensor([70, 45, 96])
@@ -409,17 +416,8 @@ def test_kernel_soft_caps_the_scores(case, heads, kv_heads, head_dim):
     """softcap > 0: every path (register tasks for head_dim 64/128, the general loops for 40, bfloat16's
     AVX-512 BF16 task, int8's both) caps the scaled scores as transformers' Gemma 2 does, with and without
     window starts; the scale is not head_dim's (query_pre_attn_scalar's); softcap 0 is the plain kernel."""
-    dtype, _, path = case.partition("-")
-    seed = torch.initial_seed()
-    print("seed", seed)
-    gen = torch.Generator().manual_seed(seed)
-    if dtype == "int8":
-        from test_kv_quant import quantized_paged
-        q, k, v, tables, lens = quantized_paged(7, heads, kv_heads, head_dim)
-        keys, vals = cpu_attention.dequantize(k), cpu_attention.dequantize(v)
-    else:
-        q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, getattr(torch, dtype))
-        keys, vals = k, v
+    q, k, v, tables, lens, keys, vals, path, gen = paged_case(case, heads, kv_heads, head_dim)
+    dtype = case.partition("-")[0]
     rounding, tol = (0.0, 1e-5) if dtype == "float32" else (2 ** -8, 2e-3)
     scale, cap = 0.5 / head_dim ** 0.5 * 3, 1.5  # scores of a few units: the cap bends them
     starts = random_starts(lens, gen)
