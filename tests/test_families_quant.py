@@ -15,7 +15,8 @@ import pytest
 import torch
 import transformers
 
-from infer.pipeline.shard import ShardError, check_tp
+from infer.pipeline.quantize import QUANTIZABLE
+from infer.pipeline.shard import SHARDABLE, ShardError, check_tp
 from infer.pipeline.stage import BuildError
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.model import load_model
@@ -26,8 +27,10 @@ from test_families import CASES, CONTEXT, ORIGINAL, PROMPT, VOCAB, _build, _chec
 # seconds of calibration; the LM head stays float (the layer that dominates a tiny model's logits)
 QUANT = ("quant.bits=4", "quant.group_size=16", "quant.ignore=[lm_head]", "calib.samples=4",
          "calib.seq_len=32")
-# Gemma's case has one KV head (Gemma 2B's): it cannot be split over two ranks (test_tp_is_refused_...)
-TP_CASES = [c for c in CASES if _config(c).num_key_value_heads % 2 == 0]
+# the families the quantize and shard stages take (Gemma 2 is refused by both: test_gemma2_...); Gemma's case has
+# one KV head (Gemma 2B's): it cannot be split over two ranks (test_tp_that_splits_a_kv_head_is_refused_...)
+QUANT_CASES = [c for c in CASES if _config(c).model_type in QUANTIZABLE]
+TP_CASES = [c for c in QUANT_CASES if _config(c).model_type in SHARDABLE and _config(c).num_key_value_heads % 2 == 0]
 NEW_TOKENS = 24
 
 
@@ -70,7 +73,7 @@ def _prompts() -> list[list[int]]:
 
 
 # AWQ too where llm-compressor's smoothing mapping is the family's own (Phi-3's fused qkv_proj / gate_up_proj)
-@pytest.mark.parametrize("case,method", [(c, "gptq") for c in CASES] + [("phi4-partial", "awq")])
+@pytest.mark.parametrize("case,method", [(c, "gptq") for c in QUANT_CASES] + [("phi4-partial", "awq")])
 def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case, method):
     float_model = _checkpoint(tmp_path / "src", case)
     artifact = _build(tmp_path, tmp_path / "src", "float32", *_quant(tmp_path, method))
@@ -215,3 +218,16 @@ def test_gemma_refuses_smoothing_methods_before_calibrating(tmp_path, method):
         _build(tmp_path, tmp_path / "src", "float32", f"quant.method={method}", "quant.bits=4" if method == "awq"
                else "quant.bits=8", "quant.group_size=16" if method == "awq" else "quant.group_size=-1")
     assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"  # a local source: before the load stage
+
+
+@pytest.mark.parametrize("what,match", [
+    ("quant", r"quant.method=gptq: model_type 'gemma2' is not supported; supported: llama, .*build it with quant=none"),
+    ("tp", r"parallel.tp=2: sharding knows model_type .*model_type 'gemma2'.*parallel.tp=1"),
+])
+def test_gemma2_is_refused_by_quantize_and_shard_before_any_stage(tmp_path, what, match):
+    """Gemma 2 builds in float only so far: a quantized or sharded build stops before any stage, naming the fix."""
+    _checkpoint(tmp_path / "src", "gemma2")
+    extra = _quant(tmp_path) if what == "quant" else ["parallel.tp=2"]
+    with pytest.raises(BuildError, match=match):
+        _build(tmp_path, tmp_path / "src", "float32", *extra)
+    assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"
