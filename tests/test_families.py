@@ -237,8 +237,8 @@ def test_rope_scaling_matches_transformers_tables():
      r"rope_parameters.rope_type='foo' is not supported for model_type mistral; supported: default, linear, "
      r"dynamic, llama3, yarn, longrope"),
     ("hidden_act", "relu", r"hidden_act='relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu"),
-    ("model_type", "gemma3_text", r"model_type 'gemma3_text' is not supported yet: sandwich norms, Gemma's q/k norms.*"
-                                  r"alternating sliding-window.* are not implemented; supported: llama, qwen2, qwen3, "
+    ("model_type", "gemma3_text", r"model_type 'gemma3_text' is not supported yet: Gemma's \(1 \+ weight\) q/k norms and a "
+                                  r"rope_theta of their own.* are not implemented; supported: llama, qwen2, qwen3, "
                                   r"mistral, phi3, gemma, gemma2 \(gemma: Gemma 1, gemma2: Gemma 2\)"),
     ("model_type", "falcon", r"model_type 'falcon' is not supported; supported: llama, qwen2, qwen3, mistral, phi3, "
                              r"gemma"),

@@ -34,8 +34,8 @@ REQUIRED_ROPE_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "llama3": (
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh", "gelu")
 # families transformers knows that this runtime does not implement yet, and what they need that it lacks
 NOT_YET = {
-    "gemma3_text": "sandwich norms, Gemma's q/k norms, query_pre_attn_scalar, alternating sliding-window layers with "
-                   "their own rope_theta",
+    "gemma3_text": "Gemma's (1 + weight) q/k norms and a rope_theta of their own for the sliding layers "
+                   "(rope_local_base_freq)",
     "gemma3": "the vision tower, and what gemma3_text lacks",
 }
 
@@ -233,9 +233,9 @@ def markdown_table() -> str:
     notes = (
         f"Every family: `hidden_act` {', '.join(HIDDEN_ACTS)}; `partial_rotary_factor` 1.0 unless its rope_type "
         "cell says otherwise; `rope_theta` stated; `use_bidirectional_attention` off. "
-        + " ".join(f"`{f.model_type}`: embeddings times sqrt(hidden_size), RMSNorm scaling by (1 + weight), the "
-                   f"activation read from {' else '.join(f'`{k}`' for k in f.act_keys)}." for f in FAMILIES.values()
-                   if f.embed_scale or f.norm_offset)
+        + ", ".join(f"`{f.model_type}`" for f in FAMILIES.values() if f.embed_scale or f.norm_offset)
+        + ": embeddings times sqrt(hidden_size), RMSNorm scaling by (1 + weight), the activation read from "
+        + " else ".join(f"`{k}`" for k in next(f.act_keys for f in FAMILIES.values() if f.norm_offset)) + "."
         + " ".join(f" `{f.model_type}`: also `attn_logit_softcapping` and `final_logit_softcapping` (tanh(x / cap) "
                    "* cap on the attention scores and the logits; null: none), the attention scale "
                    "`query_pre_attn_scalar`^-1/2, post-attention and pre/post-feedforward norms, and (without "
@@ -243,7 +243,7 @@ def markdown_table() -> str:
         + " A `sliding_window` below max_position_embeddings: a sliding layer's query sees the last "
         "`sliding_window` positions (transformers' rule); where every layer slides, the KV blocks behind the window "
         "go back to the pool, so a conversation holds about a window of cache however long it grows. Such models "
-        "run on the CPU kernels or SDPA, on the Python layer loop (not the one-call C++ step, not triton)."
+        "run every token as a decode row over its own window, on the CPU kernels or SDPA (not triton)."
         + " Not yet: " + "; ".join(f"`{t}` (lacks {why})" for t, why in NOT_YET.items()) + ". "
         "Keys each `rope_type` reads: " + "; ".join(
             f"`{t}`: " + (", ".join(f"`{k}`" for k in keys) if keys else "none") for t, keys in ROPE_TYPES.items())
