@@ -119,8 +119,10 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     """Runs the stages and publishes to cfg.output_dir; with publish_artifact=False, returns the
     packaged stage directory instead (used for the gates' unquantized baseline), with no gates."""
     check_supported(cfg)
-    check_model(Path(cfg.model.source), cfg)  # a local checkpoint: before its files are even hashed
-    if publish_artifact and gate.chooses(cfg):  # candidates chosen by the gates: each one an ordinary build
+    chooses = publish_artifact and gate.chooses(cfg)
+    # a local checkpoint: before its files are even hashed (the scheme per candidate, in its own build)
+    check_model(Path(cfg.model.source), None if chooses else cfg)
+    if chooses:  # candidates chosen by the gates: each one an ordinary build
         return gate.choose_and_build(cfg, build)
     cache = Path(cfg.cache_dir).expanduser()
     source = resolve_source(cfg.model.source, cfg.model.revision, cache)
