@@ -82,16 +82,12 @@ def _start(cmd: list[str], log: Path, env=None) -> subprocess.Popen:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise SystemExit(f"infer-bench replicas: the server exited:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
+    from infer.runtime.serving.replicas import wait_healthy
+
+    if wait_healthy(url, timeout, proc):
+        return
+    if proc.poll() is not None:
+        raise SystemExit(f"infer-bench replicas: the server exited:\n{log.read_text()[-3000:]}")
     raise SystemExit(f"infer-bench replicas: not ready after {timeout}s; see {log}")
 
 
