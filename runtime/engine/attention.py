@@ -81,7 +81,8 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         kvh, d = k.shape[1], k.shape[2]
         kernel_scale = d ** -0.5 if scale is None else scale
-        cap = {"softcap": softcap} if softcap else {}  # the kernels' results bit for bit as before without one
+        # the decode kernel's keyword arguments: the cap (none: the kernels' results bit for bit as before)
+        cap = {"softcap": softcap} if softcap else {}
         if softcap and self.in_place:
             raise ValueError("attention logit soft-capping (Gemma 2) is not implemented in the chunk and prefill "
                              "kernels: such a model's prompt chunks take the decode kernel or SDPA "
@@ -92,11 +93,9 @@ class PagedAttention:
             k_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, k)
             v_cache.view(-1, kvh, d).index_copy_(0, self.slot_mapping, v)
         windowed = self.windowed_layers is not None and self.windowed_layers[layer]
-        starts = self.decode_starts if windowed else None
+        if windowed:  # the decode kernel's window starts, in this layer only
+            cap["starts"] = self.decode_starts
         if self.decodes_only and self.decode_kernel is not None:
-            if starts is not None:
-                return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, kernel_scale,
-                                          starts, **cap)
             return self.decode_kernel(q, k_cache, v_cache, self.decode_blocks, self.decode_lens, kernel_scale, **cap)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         group = q.shape[1] // kvh
