@@ -46,6 +46,8 @@ from pathlib import Path
 
 import torch
 
+from .engine.block_manager import BLOCK_SIZE
+
 log = logging.getLogger("infer.tuning")
 FILE = "tuning.json"
 FORMAT, VERSION = "infer-tuning", 1
@@ -299,7 +301,7 @@ def measure_threads(model, kernels, buckets: list[int], block_size: int) -> dict
     return result
 
 
-def measure(model_dir: Path, buckets: list[int], block_size: int = 16, dtype: torch.dtype | None = None,
+def measure(model_dir: Path, buckets: list[int], block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None,
             sections: tuple[str, ...] = ("linear", "decode_attention", "threads")) -> dict:
     """Times the alternatives on this machine for the model in ``model_dir``; returns the table."""
     from infer.kernels.resolver import resolve
@@ -345,7 +347,7 @@ def measure(model_dir: Path, buckets: list[int], block_size: int = 16, dtype: to
     return table
 
 
-def gpu_check(model_dir: Path, block_size: int = 16, dtype: torch.dtype | None = None) -> dict:
+def gpu_check(model_dir: Path, block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None) -> dict:
     """Loads the model on the GPU with the triton kernels, captures every decode bucket's CUDA graph as
     the engine does at load, and replays each against the same step run eagerly (on distinct tokens
     and positions in padding rows, which write nowhere). Raises when capture or replay fails."""

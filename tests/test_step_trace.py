@@ -63,6 +63,37 @@ def test_engine_records_each_step(embedded_llm):
     assert set(recs[0].as_dict()) == STEP_FIELDS
 
 
+def test_step_record_counts_the_rows_the_runner_runs_as_decodes(embedded_llm):
+    """One definition of a decode row: a one-token prompt tail after a prefix-cache hit is a decode row both in
+    the step record and in the runner's inputs (the decode kernel runs it), and every step agrees."""
+    from infer.runtime import SamplingParams
+
+    engine, tokenizer = embedded_llm.engine, embedded_llm.engine.tokenizer
+    bs = engine.config.block_size
+    ids = tokenizer.encode("A prefix that fills whole blocks of the cache: " * 20)
+    prefix = ids[:2 * bs]
+    ran = []
+    prepare = engine.runner.prepare
+
+    def spy(batch):
+        inputs = prepare(batch)
+        ran.append(len(inputs.decode_rows))
+        return inputs
+
+    engine.runner.prepare = spy
+    try:
+        before = engine.step_records[-1].step if engine.step_records else engine.stats["steps"]
+        embedded_llm.generate([prefix + ids[2 * bs:2 * bs + 3]], SamplingParams(max_tokens=1))  # caches the prefix
+        tail = embedded_llm.generate([prefix + [ids[2 * bs]]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    finally:
+        engine.runner.prepare = prepare
+    assert engine.runner.decode_rows_only is False
+    assert tail.num_cached_tokens == 2 * bs  # the prompt's last token is all that is left to compute
+    recs = [r for r in engine.step_records if r.step > before]
+    assert [r.decode_rows for r in recs] == ran
+    assert recs[1].prefill_tokens == 0 and recs[1].decode_rows == 1 and recs[1].kind == "decode"
+
+
 def _trace(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]  # every line whole JSON
 

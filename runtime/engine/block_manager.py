@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 from .sequence import Sequence
 
+BLOCK_SIZE = 16  # tokens a KV-cache block holds unless the engine's config says otherwise
+
 GIVEN_BACK = -1  # a block table entry whose block a sliding window gave back (never read again)
 
 

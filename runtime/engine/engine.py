@@ -24,7 +24,7 @@ import torch
 from infer.kernels.resolver import resolve, resolve_device
 
 from ..artifact import Artifact, verify_artifact
-from .block_manager import BlockManager
+from .block_manager import BLOCK_SIZE, BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
 from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block, kv_cache_dtype, sliding_window
@@ -44,7 +44,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class EngineConfig:
     dtype: str | None = None  # compute dtype; None: the artifact's
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM (of free GPU memory on cuda)
     kv_cache_fraction: float = 0.2
     kv_cache_dtype: str = "auto"  # auto (the artifact's manifest, else the model's dtype) | bfloat16 | int8 (model_runner)
@@ -329,8 +329,8 @@ class LLMEngine:
         for seq, n in zip(batch.seqs, batch.num_tokens):
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = now
-            if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                decode_rows += 1
+            if seq.runs_as_decode(n):
+                decode_rows += n
             else:
                 prefill_seqs += 1
                 prefill_tokens += n

@@ -199,7 +199,7 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if self.decode_rows_only or start > 0 and (n == 1 or (n == 1 + len(seq.spec.draft) and end == len(seq))):
+            if self.decode_rows_only or seq.runs_as_decode(n):
                 # a decode, or a decode and its draft: each row a decode over the context up to its own
                 # position (the draft's K/V are stored before any row attends), so a draft is verified by
                 # the same kernels and the one-call step that decode steps run

@@ -77,5 +77,13 @@ class Sequence:
             del self.token_ids[len(self.token_ids) - extra:]
             self.spec.draft = self.spec.draft[:keep]
 
+    def runs_as_decode(self, n: int) -> bool:
+        """Whether this step's ``n`` tokens run as decode rows, each over the context up to its own position:
+        one token after computed context (a generated token, or a one-token prompt tail after a prefix-cache
+        hit), or a decode and its pending draft. The one definition the runner (which kernels run) and the
+        step record (what a step did) share; a windowed model or a quantized KV cache runs every row so."""
+        start = self.num_computed_tokens
+        return start > 0 and (n == 1 or (n == 1 + len(self.spec.draft) and start + n == len(self.token_ids)))
+
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

@@ -21,9 +21,9 @@ class StepRecord:
     model_ms: float  # preparing the inputs and the forward pass (model_runner.execute)
     sample_ms: float  # choosing the next tokens
     output_ms: float  # appending tokens: detokenizing, stop strings, finish reasons
-    prefill_tokens: int  # tokens computed for sequences still reading their prompt (or recomputing)
+    prefill_tokens: int  # tokens computed as prompt chunks (sequences reading their prompt, or recomputing)
     prefill_seqs: int
-    decode_rows: int  # sequences computing exactly their last generated token
+    decode_rows: int  # rows run as decodes (Sequence.runs_as_decode): generated tokens, one-token prompt tails, drafts
     batched_tokens: int
     waiting: int  # the scheduler's queues after the step
     running: int
