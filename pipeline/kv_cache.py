@@ -18,7 +18,7 @@ import logging
 import time
 from pathlib import Path
 
-from infer.runtime.artifact import MANIFEST, write_manifest
+from infer.runtime.artifact import CONFIG, MANIFEST, write_manifest
 
 from .config import BuildConfig
 from .stage import StageResult, content_key, link_tree, run_stage
@@ -48,7 +48,7 @@ def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "i
     from infer.runtime.engine.scheduler import ScheduledBatch
     from infer.runtime.engine.sequence import Sequence
 
-    config = json.loads((Path(artifact) / "config.json").read_text())
+    config = json.loads((Path(artifact) / CONFIG).read_text())
     dtype = "bfloat16" if config.get("torch_dtype", config.get("dtype")) in (None, "float32") else None
     longest = max(len(w) for w in windows)
     bs = 16
@@ -90,7 +90,7 @@ def eval_windows(artifact: Path, data: str, tokens: int, count: int) -> list[lis
     from infer.eval.metrics import eval_texts, token_stream
     from infer.runtime.engine.tokenizer import Tokenizer
 
-    config = json.loads((Path(artifact) / "config.json").read_text())
+    config = json.loads((Path(artifact) / CONFIG).read_text())
     ids = token_stream(Tokenizer(Path(artifact), config), eval_texts(data), tokens * count)
     if len(ids) < tokens:
         raise KVCacheError(f"kv_cache.window_tokens={tokens}: the eval text ({data}) has only {len(ids)} tokens")

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from infer.runtime.artifact import LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, dump_json
+from infer.runtime.artifact import CONFIG, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, dump_json
 
 from .shard import DTYPES, SafetensorsWriter, ShardError, checkpoint_tensors, read_header, read_tensor
 from .stage import copy_carried_files
@@ -68,7 +68,7 @@ def per_rank_layout(path: Path) -> str | None:
     if any((path / n).exists() for n in (".metadata", "common.pt", "latest_checkpointed_iteration.txt")) or \
             any(path.glob("*.distcp")):
         return "megatron"
-    config = path / "config.json"
+    config = path / CONFIG
     if config.is_file() and (path / "rank0.safetensors").is_file():
         try:
             if "mapping" in json.loads(config.read_text()):
@@ -99,14 +99,14 @@ def merge(src: Path, out: Path) -> dict:
         refuse_pickled(src)
     try:
         if kind == "infer-tp":
-            config_bytes, tensors = (src / "config.json").read_bytes(), _own_tensors(src)
+            config_bytes, tensors = (src / CONFIG).read_bytes(), _own_tensors(src)
         elif kind == "trtllm":
             config, tensors = _trtllm(src)
             config_bytes = None
         else:
-            if not (src / "config.json").is_file():
+            if not (src / CONFIG).is_file():
                 raise MergeError(f"{src}: no config.json; merge reads an HF, infer-tp or TensorRT-LLM checkpoint dir")
-            config_bytes, tensors = (src / "config.json").read_bytes(), _hf_tensors(src)
+            config_bytes, tensors = (src / CONFIG).read_bytes(), _hf_tensors(src)
         writer = SafetensorsWriter(out / MERGED, {n: (d, s) for n, (d, s, _) in tensors.items()}, {"format": "pt"})
         try:
             for name in sorted(tensors):
@@ -117,9 +117,9 @@ def merge(src: Path, out: Path) -> dict:
     except ShardError as e:
         raise MergeError(str(e)) from None
     if config_bytes is not None:
-        (out / "config.json").write_bytes(config_bytes)
+        (out / CONFIG).write_bytes(config_bytes)
     else:
-        dump_json(config, out / "config.json")
+        dump_json(config, out / CONFIG)
     copy_carried_files(src, out)
     return {"layout": kind or "hf", "tensors": len(tensors), "bytes": (out / MERGED).stat().st_size}
 
@@ -190,7 +190,7 @@ _TRT_LAYER = re.compile(r"^transformer\.layers\.(\d+)\.")
 
 
 def _trtllm(src: Path) -> tuple[dict, dict[str, Producer]]:
-    c = json.loads((src / "config.json").read_text())
+    c = json.loads((src / CONFIG).read_text())
     arch = c.get("architecture")
     model_type = _TRT_ARCHS.get(arch) or ("qwen2" if arch == "QWenForCausalLM" and c.get("qwen_type") == "qwen2" else None)
     if model_type is None:

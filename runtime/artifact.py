@@ -30,7 +30,8 @@ INDEX = "model.safetensors.index.json"
 # tensor-parallel artifacts: the rank files' layout, its format and version (pipeline/shard.py)
 LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION = "tensor_parallel.json", "infer-tensor-parallel", 1
 # What the tokenizer is made of (runtime/engine/tokenizer.py reads them).
-TOKENIZER_FILES = (TOKENIZER, "tokenizer_config.json", "generation_config.json", CHAT_TEMPLATE)
+TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "generation_config.json"
+TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE)
 # Every file an artifact carries by name, the ones the package stage takes from a checkpoint beside its
 # weights. The runtime opens each by name when it exists, so each one present must be a file the
 # manifest lists: nothing unverified is ever read.

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from .artifact import CONFIG
 from .engine.block_manager import BLOCK_SIZE
 
 log = logging.getLogger("infer.tuning")
@@ -314,7 +315,7 @@ def measure(model_dir: Path, buckets: list[int], block_size: int = BLOCK_SIZE, d
         log.warning("tuning on a busy machine (load average %.1f on %d cores): timings carry other work's noise, "
                     "which the rule's margin guards against; tune on a quiet machine for the best table",
                     os.getloadavg()[0], len(os.sched_getaffinity(0)))
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = json.loads((Path(model_dir) / CONFIG).read_text())
     cfg = ModelConfig.from_hf(config)
     t0 = time.perf_counter()
     model = load_model(model_dir, dtype, lambda d: resolve("auto", dtype=d, head_dim=cfg.head_dim,
@@ -365,7 +366,7 @@ def gpu_check(model_dir: Path, block_size: int = BLOCK_SIZE, dtype: torch.dtype 
         return {"device": name, "cuda_graphs": {"validated": False, "why": f"triton is not installed ({e})"}}
     if interpreting():  # (a test run on a GPU machine) the kernels run on the host: nothing to capture
         return {"device": name, "cuda_graphs": {"validated": False, "why": "TRITON_INTERPRET=1"}}
-    config = json.loads((Path(model_dir) / "config.json").read_text())
+    config = json.loads((Path(model_dir) / CONFIG).read_text())
     cfg = ModelConfig.from_hf(config)
     t0 = time.perf_counter()
     model = load_model(model_dir, dtype, lambda d: resolve("triton", dtype=d, head_dim=cfg.head_dim,

@@ -23,7 +23,7 @@ import torch
 
 from infer.kernels.resolver import resolve, resolve_device
 
-from ..artifact import Artifact, verify_artifact
+from ..artifact import CONFIG, TOKENIZER, Artifact, verify_artifact
 from .block_manager import BLOCK_SIZE, BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
@@ -223,7 +223,7 @@ class LLMEngine:
         # blocks leave a sequence as its window slides only when every layer slides (a full layer reads them all)
         self.window = window if windowed is not None and all(windowed) else None
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching,
-                                          model_id=self.artifact.manifest["files"]["config.json"]["sha256"],
+                                          model_id=self.artifact.manifest["files"][CONFIG]["sha256"],
                                           window=self.window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.enable_chunked_prefill, cfg.prefill_batch_tokens, cfg.fairness)
@@ -235,7 +235,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # structured output: grammars compiled for this vocabulary (lazily: xgrammar loads on first use)
-        self.grammars = Grammars(self.artifact.path / "tokenizer.json", self.model.config.vocab_size,
+        self.grammars = Grammars(self.artifact.path / TOKENIZER, self.model.config.vocab_size,
                                  sorted(self.eos_token_ids))
         self.mask_filler = MaskFiller()
         spec = SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens)

@@ -14,6 +14,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from ..artifact import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG
+
 
 def _raise(message: str):
     raise jinja2.exceptions.TemplateError(message)
@@ -23,12 +25,12 @@ class Tokenizer:
     def __init__(self, path: str | Path, model_config: dict | None = None):
         """``model_config``: the artifact's parsed config.json (read here when not given)."""
         path = Path(path)
-        self._tok = _HFTokenizer.from_file(str(path / "tokenizer.json"))
-        cfg_path = path / "tokenizer_config.json"
+        self._tok = _HFTokenizer.from_file(str(path / TOKENIZER))
+        cfg_path = path / TOKENIZER_CONFIG
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
-        gen_path = path / "generation_config.json"
+        gen_path = path / GENERATION_CONFIG
         gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-        model_cfg = model_config if model_config is not None else json.loads((path / "config.json").read_text())
+        model_cfg = model_config if model_config is not None else json.loads((path / CONFIG).read_text())
 
         def token_str(v):
             return v.get("content") if isinstance(v, dict) else v
