@@ -237,9 +237,10 @@ def test_rope_scaling_matches_transformers_tables():
      r"rope_parameters.rope_type='foo' is not supported for model_type mistral; supported: default, linear, "
      r"dynamic, llama3, yarn, longrope"),
     ("hidden_act", "relu", r"hidden_act='relu' is not supported; supported: silu, gelu_pytorch_tanh, gelu"),
-    ("model_type", "gemma3_text", r"model_type 'gemma3_text' is not supported yet: Gemma's \(1 \+ weight\) q/k norms and a "
-                                  r"rope_theta of their own.* are not implemented; supported: llama, qwen2, qwen3, "
-                                  r"mistral, phi3, gemma, gemma2 \(gemma: Gemma 1, gemma2: Gemma 2\)"),
+    ("model_type", "gemma3", r"model_type 'gemma3' is not supported yet: the vision tower and its image tokens are "
+                             r"not implemented; supported: llama, qwen2, qwen3, mistral, phi3, gemma, gemma2, "
+                             r"gemma3_text \(gemma: Gemma 1, gemma2: Gemma 2, gemma3_text: Gemma 3's text model, "
+                             r"Gemma3ForCausalLM\)"),
     ("model_type", "falcon", r"model_type 'falcon' is not supported; supported: llama, qwen2, qwen3, mistral, phi3, "
                              r"gemma"),
     ("use_bidirectional_attention", True, r"use_bidirectional_attention=True is not supported; supported: null or "
@@ -369,7 +370,7 @@ def test_phi3_aliases_and_family_declaration():
     cfg["rope_parameters"]["rope_type"] = "llama3"
     with pytest.raises(UnsupportedConfig, match=r"supported: default, longrope, su \(= longrope\)"):
         ModelConfig.from_hf(cfg)
-    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2"}
+    assert set(FAMILIES) == {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text"}
 
 
 def test_readme_lists_families_from_the_declaration():

@@ -83,6 +83,9 @@ class FusedStep:
         if model.dtype != torch.bfloat16:
             return f"dtype {model.dtype}: the C++ step runs bfloat16 models"
         cfg = model.config
+        if cfg.local_rope_layers:
+            return ("a rotary of their own for the sliding layers (Gemma 3's rope_local_base_freq): "
+                    "kernels/csrc/step_layers.cpp turns every layer with one table")
         if cfg.sandwich_norms or cfg.attn_softcap or cfg.query_pre_attn_scalar is not None:
             return ("Gemma 2's sandwich norms, attention soft-cap and query_pre_attn_scalar are not implemented in "
                     "kernels/csrc/step_layers.cpp")

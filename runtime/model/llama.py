@@ -1,9 +1,9 @@
-"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2).
+"""The Llama-family decoder in one file: the model the runtime runs (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3).
 
 The families differ by a few config-driven branches (q/k norms, which projections carry biases, the
 rotary embedding's scaling, a checkpoint with fused projections, the MLP's activation, Gemma's scaled
-embeddings and (1 + weight) norms, Gemma 2's sandwich norms, soft-capping and attention scale), declared in
-runtime/model/families.py.
+embeddings and (1 + weight) norms, Gemma 2's sandwich norms, soft-capping and attention scale, Gemma 3's
+rotary of its own for the sliding layers), declared in runtime/model/families.py.
 
 Tokens travel flattened, as one ``[T, hidden]`` tensor for the whole step, so a step can mix
 prompt chunks and single decode tokens of many sequences. How attention sees the rest of each
@@ -18,6 +18,7 @@ weights alike) and for the build pipeline's quantize stage. Loading is runtime/m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -28,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..engine.attention import attention
-from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act, layer_windows, partial_rotary_factor,
-                       rope_parameters, softcaps)
+from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act, layer_types, layer_windows,
+                       partial_rotary_factor, rope_parameters, softcaps)
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -68,6 +69,11 @@ class ModelConfig:
     attn_softcap: float = 0.0  # attention scores become tanh(s / cap) * cap (Gemma 2); 0: none
     final_softcap: float = 0.0  # the logits likewise (Gemma 2); 0: none
     query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (Gemma 2); None: head_dim's
+    # Gemma 3: the rotary of the sliding_attention layers (rope_theta and rope_scaling as above) and which layers
+    # turn with it (layer_types' sliding ones, whether or not the window cuts anything); None: one for every layer
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict | None = field(default=None, hash=False)
+    local_rope_layers: tuple[bool, ...] | None = None
 
     @property
     def rotary_dims(self) -> int:
@@ -85,18 +91,18 @@ class ModelConfig:
         family = check_config(cfg)
         model_type = family.model_type
         rope = rope_parameters(cfg)
-        theta = cfg.get("rope_theta", rope.get("rope_theta"))
+        # Gemma 3: rope_parameters' own rope_theta wins (always set: families.layer_rope_parameters)
+        theta = rope.get("rope_theta") if family.layer_rope else cfg.get("rope_theta", rope.get("rope_theta"))
         if theta is None:
             # silently assuming 10000 gives fluent nonsense on long inputs: refuse instead
             raise ValueError("config.json states no rope_theta (neither top level nor rope_parameters)")
         heads, max_pos = cfg["num_attention_heads"], cfg.get("max_position_embeddings", 2048)
-        scaling = None
-        if rope["rope_type"] not in ("default", "dynamic"):  # dynamic: default rope within max_pos (families.py)
-            scaling = {k: rope[k] for k in ROPE_TYPES[rope["rope_type"]] if rope.get(k) is not None}
-            scaling["rope_type"] = rope["rope_type"]
-            # transformers: a top-level original_max_position_embeddings (Phi-3's) wins, else max_position_embeddings
-            original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
-            scaling["original_max_position_embeddings"] = original or max_pos
+        local = {}
+        types = layer_types(cfg) if family.layer_rope else None
+        if types and "sliding_attention" in types:
+            sliding = rope_parameters(cfg, "sliding_attention")
+            local = dict(local_rope_theta=float(sliding["rope_theta"]), local_rope_scaling=_scaling(sliding, cfg),
+                         local_rope_layers=tuple(t == "sliding_attention" for t in types))
         bias = cfg.get("attention_bias", False)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         rotary_dim = int(head_dim * partial_rotary_factor(cfg))
@@ -123,7 +129,7 @@ class ModelConfig:
             mlp_bias=family.mlp_bias and cfg.get("mlp_bias", False),
             qk_norm=family.qk_norm,
             packed_checkpoint=family.packed_checkpoint,
-            rope_scaling=scaling,
+            rope_scaling=_scaling(rope, cfg),
             rotary_dim=rotary_dim if rotary_dim < head_dim else None,
             layer_windows=layer_windows(cfg),
             hidden_act=hidden_act(cfg)[1],
@@ -133,11 +139,24 @@ class ModelConfig:
             attn_softcap=attn_softcap,
             final_softcap=final_softcap,
             query_pre_attn_scalar=scalar,
+            **local,
         )
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+
+
+def _scaling(rope: dict, cfg: dict) -> dict | None:
+    """ModelConfig.rope_scaling of one rotary's parameters (families.rope_parameters'): None for default rope."""
+    if rope["rope_type"] in ("default", "dynamic"):  # dynamic: default rope within max_pos (families.py)
+        return None
+    scaling = {k: rope[k] for k in ROPE_TYPES[rope["rope_type"]] if rope.get(k) is not None}
+    scaling["rope_type"] = rope["rope_type"]
+    # transformers: a top-level original_max_position_embeddings (Phi-3's) wins, else max_position_embeddings
+    original = cfg.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+    scaling["original_max_position_embeddings"] = original or cfg.get("max_position_embeddings", 2048)
+    return scaling
 
 
 class RMSNorm(nn.Module):
@@ -272,7 +291,10 @@ class RotaryEmbedding(nn.Module):
         self.ops = None
 
     @classmethod
-    def for_config(cls, cfg: ModelConfig) -> "RotaryEmbedding":
+    def for_config(cls, cfg: ModelConfig, local: bool = False) -> "RotaryEmbedding":
+        """The model's rotary, or with ``local`` its sliding layers' own (Gemma 3: ModelConfig.local_rope_*)."""
+        if local:
+            cfg = dataclasses.replace(cfg, rope_theta=cfg.local_rope_theta, rope_scaling=cfg.local_rope_scaling)
         return cls(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings, *rope_inv_freq(cfg),
                    rotary_dim=cfg.rotary_dims)
 
@@ -385,6 +407,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding.for_config(cfg)
+        # Gemma 3: the sliding layers turn q and k with a rotary of their own
+        self.rotary_local = RotaryEmbedding.for_config(cfg, local=True) if cfg.local_rope_layers else None
         # Gemma's embedding scale: float32 sqrt(hidden_size), as transformers rounds it, cast to the model's dtype
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, device="cpu")) if cfg.embed_scale else None
         self.fused_step = None  # runtime/model/fused_step.py's, where every layer fits it: steps in C++
@@ -406,8 +430,14 @@ class Transformer(nn.Module):
         if fused is not None:  # every layer in one C++ call
             return self.norm(*fused)[0]
         rope = self.rotary.tables(positions, x.dtype)
-        for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, rope, ctx)
+        local = self.config.local_rope_layers
+        if local:
+            local_rope = self.rotary_local.tables(positions, x.dtype)
+        for i, layer in enumerate(self.layers):
+            if local and local[i]:
+                x, residual = layer(x, residual, self.rotary_local, local_rope, ctx)
+            else:
+                x, residual = layer(x, residual, self.rotary, rope, ctx)
         return self.norm(x, residual)[0]
 
     def use_fused_ops(self, ops) -> None:

@@ -121,10 +121,10 @@ def store_partial_rotary(state: dict[str, torch.Tensor], quantized: dict[str, Qu
 
 
 def store_norm_offset(state: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
-    """Gemma's RMSNorm scales by (1 + weight) in float32 (transformers' GemmaRMSNorm): every norm weight, already
-    in the model's dtype, becomes 1 + weight computed and kept in float32, in place. The model's RMSNorm
-    multiplies a float32 weight in float32 before rounding, so this is transformers' arithmetic exactly (its
-    model in that dtype), in every dtype."""
+    """Gemma's RMSNorm scales by (1 + weight) in float32 (transformers' GemmaRMSNorm): every norm weight (Gemma 3's
+    q/k norms too), already in the model's dtype, becomes 1 + weight computed and kept in float32, in place. The
+    model's RMSNorm multiplies a float32 weight in float32 before rounding, so this is transformers' arithmetic
+    exactly (its model in that dtype), in every dtype."""
     if cfg.norm_offset:
         for key in state:
             if key.endswith("norm.weight"):
@@ -201,6 +201,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
             setattr(model.get_submodule(parent) if parent else model, attr,
                     make_linear(qweight, state.get(name + ".bias"), dtype, device).to(device))
     model.rotary = RotaryEmbedding.for_config(cfg).to(device)
+    if cfg.local_rope_layers:  # Gemma 3's sliding layers' own
+        model.rotary_local = RotaryEmbedding.for_config(cfg, local=True).to(device)
     missing = [n for n, p in model.named_parameters() if p.is_meta]
     if missing:
         raise ValueError(f"checkpoint lacks tensors: {missing[:5]}")
