@@ -44,6 +44,7 @@ ARCHITECTURES = {
     "gemma": Arch("gemma", "GemmaForCausalLM", False, True),
     # Gemma 2's ffn_norm is the norm before the MLP; its post_attention_norm the one after attention
     "gemma2": Arch("gemma2", "Gemma2ForCausalLM", False, True, {"ffn_norm": "pre_feedforward_layernorm"}),
+    "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", False, True, {"ffn_norm": "pre_feedforward_layernorm"}),
 }
 # rotary frequency factors llama.cpp stores as tensors instead of config keys
 ROPE_FACTOR_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
@@ -107,8 +108,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
             f"{gguf_path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
         )
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise ValueError(f"{gguf_path}: rope scaling {scaling!r} is not supported")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{gguf_path}: rope scaling {scaling!r} is not supported; supported: none, linear")
     factors = sorted({t.name for t in reader.tensors} & ROPE_FACTOR_TENSORS)
     if factors:
         raise ValueError(
@@ -157,6 +158,10 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
     hidden = int(fields[f"{arch}.embedding_length"])
     heads = int(fields[f"{arch}.attention.head_count"])
     rope_theta = _float(fields.get(f"{arch}.rope.freq_base", 10000.0))
+    rope = {"rope_type": "default", "rope_theta": rope_theta}
+    if fields.get(f"{arch}.rope.scaling.type") == "linear":
+        factor = _float(fields[f"{arch}.rope.scaling.factor"])
+        rope = {"rope_type": "linear", "factor": factor, "rope_theta": rope_theta}
     head_dim = int(fields.get(f"{arch}.attention.key_length", hidden // heads))
     layers = int(fields[f"{arch}.block_count"])
     dtype_name = str(dtype).removeprefix("torch.")
@@ -179,7 +184,7 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
         "mlp_bias": False,
         # transformers 5 reads rope_parameters; older and other readers read rope_theta.
         "rope_theta": rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "rope_parameters": rope,
         "bos_token_id": _token_id(fields, "bos"),
         "eos_token_id": _token_id(fields, "eos"),
         "pad_token_id": _token_id(fields, "padding"),
@@ -195,16 +200,28 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
         config["original_max_position_embeddings"] = int(
             fields.get(f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
         )
-    if arch in ("gemma", "gemma2"):
+    if arch.startswith("gemma"):
         config["hidden_act"] = config["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch in ("gemma2", "gemma3"):
+        config["sliding_window"] = window
+        # What the file does not say, llama.cpp fixes per architecture: every second (Gemma 2) or sixth (Gemma 3)
+        # layer attends in full; the attention scale is hidden / heads for the 27B models (46 and 62 layers), else
+        # head_dim; Gemma 3's sliding layers turn with default rope of base 10000.
+        pattern, big = (2, 46) if arch == "gemma2" else (6, 62)
+        config["layer_types"] = [
+            "full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)
+        ]
+        config["query_pre_attn_scalar"] = hidden // heads if layers == big else head_dim
     if arch == "gemma2":
         config["attn_logit_softcapping"] = _float(fields[f"{arch}.attn_logit_softcapping"])
         config["final_logit_softcapping"] = _float(fields[f"{arch}.final_logit_softcapping"])
-        config["sliding_window"] = window
-        # llama.cpp alternates from the first layer on, as transformers' Gemma2Config does
-        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        # The file does not say: llama.cpp scales by hidden / heads for the 46-layer Gemma 2 27B, else by head_dim
-        config["query_pre_attn_scalar"] = hidden // heads if layers == 46 else head_dim
+    if arch == "gemma3":
+        config["attn_logit_softcapping"] = config["final_logit_softcapping"] = None
+        config["rope_local_base_freq"] = 10000.0
+        config["rope_parameters"] = {
+            "full_attention": rope,
+            "sliding_attention": {"rope_type": "default", "rope_theta": config["rope_local_base_freq"]},
+        }
     return config
 
 
@@ -309,7 +326,7 @@ def _sentencepiece(fields: dict, arch: str) -> Tokenizer:
     scores = [float(score) for score in fields["tokenizer.ggml.scores"]]
     unknown = _token_id(fields, "unknown")
     prefix = fields.get("tokenizer.ggml.add_space_prefix", True)
-    if arch in ("gemma", "gemma2"):
+    if arch.startswith("gemma"):
         # transformers' Gemma reading turns <0x09> into a tab and pieces of spaces into pieces of U+2581
         pieces = ["\t" if t == "<0x09>" else SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
         tokenizer = Tokenizer(Unigram(list(zip(pieces, scores)), unk_id=unknown, byte_fallback=True))

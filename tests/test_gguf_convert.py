@@ -226,5 +226,5 @@ def test_unsupported_architecture(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'gpt2'.*llama, qwen2, qwen3, phi3, gemma, gemma2"):
+    with pytest.raises(ValueError, match="'gpt2'.*llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3"):
         convert_gguf(path, tmp_path)

@@ -17,7 +17,8 @@ import torch
 from gguf import GGUFWriter
 from safetensors.torch import load_file
 from tokenizers import SentencePieceBPETokenizer, Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma2Config, GemmaConfig, LlamaConfig, Phi3Config
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig,
+                          Phi3Config)
 
 from infer.pipeline.gguf_convert import convert_gguf
 
@@ -63,7 +64,8 @@ def _hf_model(arch: str, vocab_size: int) -> torch.nn.Module:
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
                   bos_token_id=1, eos_token_id=2, pad_token_id=None)
     if arch == "llama":
-        config = LlamaConfig(**common, rope_theta=50000.0, tie_word_embeddings=False)
+        config = LlamaConfig(**common, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                             tie_word_embeddings=False)
     elif arch == "phi3":
         # Phi-4-mini's partial rotary (12 of 16 dimensions) and Phi-3-mini's sliding window
         config = Phi3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -71,6 +73,12 @@ def _hf_model(arch: str, vocab_size: int) -> torch.nn.Module:
                             sliding_window=10, original_max_position_embeddings=128, tie_word_embeddings=False)
     elif arch == "gemma":
         config = GemmaConfig(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh")
+    elif arch == "gemma3":
+        # six layers: llama.cpp's Gemma 3 lets every sixth attend in full; linear rope scaling on those (4B and up)
+        rope = {"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+        config = Gemma3TextConfig(**common | {"num_hidden_layers": 6}, head_dim=32, query_pre_attn_scalar=32,
+                                  sliding_window=10, rope_parameters=rope)
     else:
         config = Gemma2Config(**common, head_dim=32, query_pre_attn_scalar=32, sliding_window=10,
                               attn_logit_softcapping=2.0, final_logit_softcapping=10.0)
@@ -121,6 +129,8 @@ def _write_gguf(path, arch: str, model, vocab, merges: bool = False) -> None:
         writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
         writer.add_vocab_size(c.vocab_size)
         writer.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(c.rope_parameters["factor"])
     elif arch == "phi3":
         writer.add_rope_scaling_orig_ctx_len(c.original_max_position_embeddings)
         writer.add_rope_dimension_count(int(c.rope_parameters["partial_rotary_factor"] * c.hidden_size)
@@ -134,6 +144,11 @@ def _write_gguf(path, arch: str, model, vocab, merges: bool = False) -> None:
             writer.add_attn_logit_softcapping(c.attn_logit_softcapping)
             writer.add_final_logit_softcapping(c.final_logit_softcapping)
             writer.add_sliding_window(c.sliding_window)
+        if arch == "gemma3":
+            writer.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
+            writer.add_sliding_window(c.sliding_window)
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(c.rope_parameters["full_attention"]["factor"])
     _write_tokenizer(writer, vocab, arch, merges)
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
@@ -158,7 +173,7 @@ def _reference_tokenizer(tmp_path, arch: str, vocab, merges: bool):
     """transformers' GGUF tokenizer for this metadata. It reads Phi-3's without a normalizer (it drops every
     space) and has no reading for Gemma 1: those two are compared with the same tokenizer metadata in a llama
     or gemma2 file, which transformers reads as the SentencePiece tokenizer Phi-3 and Gemma ship."""
-    if arch in ("llama", "gemma2"):
+    if arch in ("llama", "gemma2", "gemma3"):
         return AutoTokenizer.from_pretrained(tmp_path, gguf_file=f"{arch}.gguf")
     other = "gemma2" if arch == "gemma" else "llama"
     writer = GGUFWriter(tmp_path / "tokenizer.gguf", other)
@@ -173,18 +188,22 @@ def _reference_tokenizer(tmp_path, arch: str, vocab, merges: bool):
 
 CASES = {
     # arch: (HF class, config keys the conversion must state, whether transformers loads this GGUF architecture)
-    "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_theta": 50000.0}, True),
+    "llama": ("LlamaForCausalLM", {"tie_word_embeddings": False, "rope_parameters": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}}, True),
     "phi3": ("Phi3ForCausalLM", {"sliding_window": 10, "original_max_position_embeddings": 128}, True),
     "gemma": ("GemmaForCausalLM", {"head_dim": 32, "tie_word_embeddings": True, "hidden_activation":
                                    "gelu_pytorch_tanh"}, False),
     "gemma2": ("Gemma2ForCausalLM", {"head_dim": 32, "sliding_window": 10, "attn_logit_softcapping": 2.0,
                                      "final_logit_softcapping": 10.0, "query_pre_attn_scalar": 32,
                                      "layer_types": ["sliding_attention", "full_attention"]}, True),
+    "gemma3": ("Gemma3ForCausalLM", {"head_dim": 32, "sliding_window": 10, "query_pre_attn_scalar": 32,
+                                     "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                                     "final_logit_softcapping": None}, True),
 }
 
 
 @pytest.mark.parametrize("arch,merges", [("llama", False), ("llama", True), ("phi3", False), ("gemma", False),
-                                         ("gemma2", False)])
+                                         ("gemma2", False), ("gemma3", False)])
 def test_family_matches_transformers(tmp_path, vocab, arch, merges):
     cls, keys, transformers_reads = CASES[arch]
     model = _hf_model(arch, len(vocab[0]))
@@ -194,7 +213,7 @@ def test_family_matches_transformers(tmp_path, vocab, arch, merges):
     convert_gguf(tmp_path / f"{arch}.gguf", out)
 
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == arch and config["architectures"] == [cls]
+    assert config["model_type"] == arch.replace("gemma3", "gemma3_text") and config["architectures"] == [cls]
     for key, value in keys.items():
         assert config[key] == value, key
     if arch == "phi3":
@@ -275,6 +294,6 @@ def test_refuses_rope_factor_tensors(tmp_path, arch, tensor):
 
 
 def test_refuses_other_architectures(tmp_path):
-    _tiny_file(tmp_path / "gemma3.gguf", "gemma3")
-    with pytest.raises(ValueError, match="'gemma3'; supported: llama, qwen2, qwen3, phi3, gemma, gemma2$"):
-        convert_gguf(tmp_path / "gemma3.gguf", tmp_path)
+    _tiny_file(tmp_path / "gemma3n.gguf", "gemma3n")
+    with pytest.raises(ValueError, match="'gemma3n'; supported: llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3$"):
+        convert_gguf(tmp_path / "gemma3n.gguf", tmp_path)
