@@ -71,7 +71,8 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-TOKEN_TYPE_CONTROL = 3
+TOKEN_TYPE_CONTROL = 3  # special tokens (<s>, <|im_end|>): matched whole, left out of decoding on request
+TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are not special (Phi-3's chat markers, Qwen's <tool_call>)
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
 # The regex Qwen2's own tokenizer splits with before byte-level encoding.
@@ -207,16 +208,20 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
         # What the file does not say, llama.cpp fixes per architecture: every second (Gemma 2) or sixth (Gemma 3)
         # layer attends in full; the attention scale is hidden / heads for the 27B models (46 and 62 layers), else
         # head_dim; Gemma 3's sliding layers turn with default rope of base 10000.
+        # (a file without a window: every layer in full, as llama.cpp's converter leaves it out for those)
         pattern, big = (2, 46) if arch == "gemma2" else (6, 62)
         config["layer_types"] = [
-            "full_attention" if i % pattern == pattern - 1 else "sliding_attention" for i in range(layers)
+            "full_attention" if i % pattern == pattern - 1 or window is None else "sliding_attention"
+            for i in range(layers)
         ]
         config["query_pre_attn_scalar"] = hidden // heads if layers == big else head_dim
     if arch == "gemma2":
         config["attn_logit_softcapping"] = _float(fields[f"{arch}.attn_logit_softcapping"])
         config["final_logit_softcapping"] = _float(fields[f"{arch}.final_logit_softcapping"])
     if arch == "gemma3":
-        config["attn_logit_softcapping"] = config["final_logit_softcapping"] = None
+        config["attn_logit_softcapping"] = None
+        cap = fields.get(f"{arch}.final_logit_softcapping")
+        config["final_logit_softcapping"] = None if cap is None else _float(cap)
         config["rope_local_base_freq"] = 10000.0
         config["rope_parameters"] = {
             "full_attention": rope,
@@ -298,9 +303,13 @@ def _build_tokenizer(fields: dict, arch: str) -> Tokenizer:
         )
     elif fields["tokenizer.ggml.model"] == "gpt2":
         tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    # Both are matched whole in the text, as llama.cpp and the original tokenizer do (transformers' GGUF reading
+    # leaves user-defined ones to the BPE pieces).
     types = fields["tokenizer.ggml.token_type"]
     control = [token for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_CONTROL]
     tokenizer.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in control])
+    user = [token for token, kind in zip(tokens, types) if kind == TOKEN_TYPE_USER_DEFINED]
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in user])
     return tokenizer
 
 

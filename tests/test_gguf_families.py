@@ -47,7 +47,7 @@ def vocab():
     merges = [" ".join(pair) for pair in model["merges"] if not set("\n\t") & set("".join(pair))]
     pieces = [m.replace(" ", "") for m in merges] + [SPACE * 2, SPACE * 4]
     chars = [c for c in model["vocab"] if len(c) == 1 and c not in "\n\t" and c != "<unk>"]
-    tokens = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3)]
+    tokens = [("<unk>", 0.0, 2), ("<s>", 0.0, 3), ("</s>", 0.0, 3), ("<|user|>", -1000.0, 4)]
     tokens += [(f"<0x{b:02X}>", 0.0, 6) for b in range(256)]
     seen = {t for t, _, _ in tokens}
     for piece in pieces + chars:
@@ -257,7 +257,12 @@ def test_family_matches_transformers(tmp_path, vocab, arch, merges):
         assert tokenizer.encode(text).ids == [1] + want_ids, text
         assert fast(text)["input_ids"] == [1] + want_ids, text
         assert fast.decode(want_ids) == reference.decode(want_ids), text
-    assert any(3 <= i < 259 for text in TEXTS for i in tokenizer.encode(text).ids)  # byte fallback was exercised
+    assert any(4 <= i < 260 for text in TEXTS for i in tokenizer.encode(text).ids)  # byte fallback was exercised
+    # a user-defined token (Phi-3's <|user|>) is matched whole, as llama.cpp and the original tokenizer match it
+    # (transformers' GGUF reading spells it out in pieces)
+    ids = tokenizer.encode("<|user|>Hi", add_special_tokens=False).ids
+    assert ids[0] == 3 and ids[1:] == reference("Hi", add_special_tokens=False)["input_ids"]
+    assert fast.decode(ids) == reference.decode(ids) and fast.decode(ids).startswith("<|user|>")
 
 
 def _tiny_file(path, arch="llama", tokenizer="llama", tensors=("token_embd.weight",)):
