@@ -130,10 +130,14 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     _build_tokenizer(fields, arch).save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "config.json", config)
     _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(fields, config))
-    _write_json(
-        out_dir / "generation_config.json",
-        {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")},
-    )
+    generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    # Chat models end a turn with another token (Gemma's <end_of_turn>, Phi-3's <|end|>), which llama.cpp stops at
+    # too; listed after eos, as those models' own generation_config.json lists them.
+    stops = [_token_id(fields, kind) for kind in ("eos", "eot", "eom")]
+    stops = list(dict.fromkeys(i for i in stops if i is not None))
+    if len(stops) > 1:
+        generation["eos_token_id"] = stops
+    _write_json(out_dir / "generation_config.json", generation)
 
 
 def _open(path: Path) -> GGUFReader:

@@ -54,6 +54,7 @@ def vocab():
         if piece not in seen:
             seen.add(piece)
             tokens.append((piece, -float(len(tokens)), 1))
+    tokens.append(("<end_of_turn>", 0.0, 3))  # the end-of-turn token, last (llama.cpp's eot_token_id)
     return tokens, merges + [f"{SPACE} {SPACE}", f"{SPACE * 2} {SPACE * 2}"]
 
 
@@ -108,6 +109,7 @@ def _write_tokenizer(writer: GGUFWriter, vocab, arch: str, merges: bool) -> None
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
     writer.add_unk_token_id(0)
+    writer.add_eot_token_id(len(tokens) - 1)
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
     if arch.startswith("gemma"):
@@ -218,6 +220,11 @@ def test_family_matches_transformers(tmp_path, vocab, arch, merges):
         assert config[key] == value, key
     if arch == "phi3":
         assert config["rope_parameters"]["partial_rotary_factor"] == 0.75
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": [2, len(vocab[0]) - 1], "pad_token_id": None}
+    from infer.runtime.engine.tokenizer import Tokenizer as ServingTokenizer
+
+    assert ServingTokenizer(out).eos_token_ids == (2, len(vocab[0]) - 1)  # the server stops at either
 
     # weights: the original model's (Gemma's norms through float32's 1 + w and back), and transformers' GGUF reading
     ours = load_file(out / "model.safetensors")
