@@ -35,6 +35,7 @@ from pathlib import Path
 
 from infer.runtime.artifact import CONFIG, dump_json
 from infer.runtime.model.compressed_tensors import matches
+from infer.runtime.model.families import FAMILIES
 from infer.runtime.model.llama import HFLinear, ModelConfig, linear_layout
 
 from .config import BuildConfig
@@ -69,14 +70,19 @@ class QuantPlan:
         return out
 
 
-# the families (runtime/model/families.py) llm-compressor quantizes here: a decoder layer class for its sequential
-# pipeline and AWQ smoothing mappings for each (llmcompressor AWQ_MAPPING_REGISTRY: Llama's for llama, qwen2,
-# qwen3, mistral; Phi-3's own for its fused qkv_proj / gate_up_proj)
-QUANTIZABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
-# methods that fold scales into the RMSNorm weight before the linears: wrong where the norm multiplies by
-# (1 + weight) (Gemma), and llm-compressor has no Gemma 1 mapping that knows it
+# the families (runtime/model/families.py) llm-compressor quantizes here, each checked against transformers on
+# the checkpoint it writes (tests/test_families_quant.py): a decoder layer class for its sequential pipeline and
+# AWQ smoothing mappings for each (llmcompressor AWQ_MAPPING_REGISTRY: Llama's for llama, qwen2, qwen3, mistral;
+# Phi-3's own for its fused qkv_proj / gate_up_proj). A family the runtime serves but not listed (gemma3_text
+# until it is checked here) is refused by name before any stage.
+QUANTIZABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
+# methods that fold scales into a norm's weight before the linears it feeds
 SMOOTHING = {"awq": "AWQ", "w8a8": "SmoothQuant"}
-ONE_PLUS_NORMS = ("gemma",)
+# families whose RMSNorm multiplies by (1 + weight) (Gemma 1, 2, 3): llm-compressor 0.14 converts those norms to
+# plain weights for the whole oneshot (modeling/offset_norm.py), but its mappings for them are Llama's (Gemma 1,
+# Gemma 2's SmoothQuant: which smooths post_attention_layernorm, a sandwich norm that feeds the residual, not
+# gate/up) or unchecked here (Gemma 2's and 3's AWQ: pre_feedforward_layernorm): smoothing stays refused
+ONE_PLUS_NORMS = tuple(t for t, f in FAMILIES.items() if f.norm_offset)
 FLOAT_WIDENED = ("fp8", "w8a8")  # quant.auto's wider format for these: float (the layer joins quant.ignore)
 
 
@@ -333,6 +339,12 @@ def _modifiers(p: QuantPlan, cfg: BuildConfig) -> list:
     return [QuantizationModifier(config_groups=groups, ignore=p.ignore)]
 
 
+def hf_attention(config: dict) -> dict:
+    """transformers' loading arguments that compute this family as the runtime does: its SDPA attention drops
+    Gemma 2's attn_logit_softcapping (only the eager attention caps), so calibration would see other activations."""
+    return {"attn_implementation": "eager"} if FAMILIES[config["model_type"]].softcaps else {}
+
+
 def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, windows: list[list[int]]) -> dict:
     """The stage body: ``oneshot`` over ``checkpoint`` into ``out`` as a compressed-tensors checkpoint."""
     import time
@@ -348,7 +360,8 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
              f"{len(windows)} x {len(windows[0])} tokens" if p.needs_calibration else "none (data-free)")
     torch.manual_seed(cfg.calib.seed)
     start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, low_cpu_mem_usage=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, low_cpu_mem_usage=True,
+                                                              **hf_attention(config))
     model.eval()
     dataset = None
     if p.needs_calibration:
@@ -436,7 +449,8 @@ def layer_sensitivity(float_dir: Path, quant_dir: Path | None, windows: list[lis
     from infer.runtime.model.loader import read_state_dict
     from infer.runtime.model.quant_linear import fake_quantize_activations
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        float_dir, dtype=torch.float32, **hf_attention(json.loads((Path(float_dir) / CONFIG).read_text()))).eval()
     if fake_quant is None:
         qcfg = json.loads((Path(quant_dir) / CONFIG).read_text())["quantization_config"]
         qstate = read_state_dict(quant_dir)

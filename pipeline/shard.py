@@ -46,9 +46,10 @@ What is split how, and why (Megatron's scheme, the one vLLM and TensorRT-LLM use
   own slice of the activations, and the sum over ranks (one all-reduce per block) is the output.
   A row-parallel bias (Llama's attention_bias / mlp_bias, Qwen3's attention_bias) is replicated and
   must be added once (runtime/parallel/layers.py).
-- RMSNorm weights are replicated, Qwen3's per-head q/k norms too (they are [head_dim], the same for
-  every head). A partial rotary (Phi-4-mini) needs nothing here: the runtime reorders each head's
-  q/k dims at load, per head, so a rank's whole heads reorder alike.
+- RMSNorm weights are replicated, Gemma 2's sandwich norms (pre/post_feedforward_layernorm) too, and
+  Qwen3's per-head q/k norms (they are [head_dim], the same for every head). A partial rotary
+  (Phi-4-mini) needs nothing here: the runtime reorders each head's q/k dims at load, per head, so
+  a rank's whole heads reorder alike.
 - Embedding and LM head are **replicated** (``vocab_parallel=True`` gives ``vocab`` splits, kept for
   GPU-sized vocabularies). Why: the token embedding is a row lookup, which vocab-parallel would
   turn into a masked lookup plus an all-reduce of [tokens, hidden] every step; and the sampler
@@ -97,7 +98,9 @@ from .stage import copy_carried_files
 
 SPLITS = ("column", "column_parts", "row", "vocab", "replicated", "shape")
 # the families (runtime/model/families.py) whose tensors plan() has a rule for
-SHARDABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma")
+# (checked at tp=2 against transformers, tests/test_families_quant.py); any other family the runtime serves
+# (gemma3_text until it is checked here) is refused by name before any stage
+SHARDABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
 
 # safetensors dtype codes and their torch dtypes (bytes per element: the dtype's itemsize)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -273,8 +276,8 @@ def check_tp(config: dict, tp: int, group_size: int | None = None) -> None:
 
 
 _LAYER = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.(\w+)$")
-_NORM = re.compile(r"^model\.(layers\.\d+\.(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)|norm)"
-                   r"\.weight$")
+_NORM = re.compile(r"^model\.(layers\.\d+\.((input|post_attention|pre_feedforward|post_feedforward)_layernorm|"
+                   r"self_attn\.[qk]_norm)|norm)\.weight$")
 _VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.(\w+)$")
 _ROW_MODULES = ("o", "down")
 

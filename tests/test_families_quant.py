@@ -2,7 +2,8 @@
 checked against transformers: the W4A16 artifact is a compressed-tensors checkpoint that transformers loads
 itself, so both sides compute the same integer weights; a tp=2 build's logits (every rank taking part) and
 greedy tokens against the float model's, and a quantized tp=2 build against transformers on the checkpoint its
-quantize stage wrote. What cannot be sharded (a KV head per rank at least) is refused before quantizing."""
+quantize stage wrote. What cannot be sharded (a KV head per rank at least) is refused before quantizing, and a
+family these stages have not been checked on (gemma3_text) before any stage."""
 
 from __future__ import annotations
 
@@ -15,20 +16,22 @@ import pytest
 import torch
 import transformers
 
-from infer.pipeline.quantize import QUANTIZABLE
+from infer.pipeline.config import compose_recipe
+from infer.pipeline.quantize import QUANTIZABLE, QuantError, hf_attention
+from infer.pipeline.quantize import plan as quant_plan
 from infer.pipeline.shard import SHARDABLE, ShardError, check_tp
 from infer.pipeline.stage import BuildError
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.model import load_model
 from infer.runtime.model.quant_linear import INT4_CPU_BACKENDS, disabled_backends, quantized_modules
-from test_families import CASES, CONTEXT, ORIGINAL, PROMPT, VOCAB, _build, _checkpoint, _config
+from test_families import CASES, COMMON, CONTEXT, INIT, ORIGINAL, PROMPT, VOCAB, _build, _checkpoint, _config
 
 # W4A16 in groups of 16 (divides every layer's input, and each rank's half of o_proj's and down_proj's), a few
 # seconds of calibration; the LM head stays float (the layer that dominates a tiny model's logits)
 QUANT = ("quant.bits=4", "quant.group_size=16", "quant.ignore=[lm_head]", "calib.samples=4",
          "calib.seq_len=32")
-# the families the quantize and shard stages take (Gemma 2 is refused by both: test_gemma2_...); Gemma's case has
-# one KV head (Gemma 2B's): it cannot be split over two ranks (test_tp_that_splits_a_kv_head_is_refused_...)
+# the families the quantize and shard stages take (every case of tests/test_families.py); Gemma's case has one KV
+# head (Gemma 2B's): it cannot be split over two ranks (test_tp_that_splits_a_kv_head_is_refused_...)
 QUANT_CASES = [c for c in CASES if _config(c).model_type in QUANTIZABLE]
 TP_CASES = [c for c in QUANT_CASES if _config(c).model_type in SHARDABLE and _config(c).num_key_value_heads % 2 == 0]
 NEW_TOKENS = 24
@@ -39,6 +42,19 @@ def _quant(tmp_path, method: str = "gptq") -> list[str]:
     data = tmp_path / "calib.txt"
     data.write_text("\n\n".join(" ".join(f"t{random.randrange(VOCAB)}" for _ in range(100)) for _ in range(8)))
     return [f"quant.method={method}", *QUANT, f"calib.data={data}"]
+
+
+def _source(tmp_path, case: str) -> transformers.PreTrainedModel:
+    """tests/test_families.py's checkpoint of ``case`` at its weights' scale (Gemma 2's bends its soft-caps)."""
+    return _checkpoint(tmp_path / "src", case, INIT.get(case, 0.02))
+
+
+def _reference(artifact) -> transformers.PreTrainedModel:
+    """transformers on a written checkpoint, computing its family as the runtime does (Gemma 2: eager attention,
+    the one that soft-caps)."""
+    config = json.loads((artifact / "config.json").read_text())
+    return transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32,
+                                                             **hf_attention(config)).eval()
 
 
 def _ids() -> torch.Tensor:
@@ -75,12 +91,12 @@ def _prompts() -> list[list[int]]:
 # AWQ too where llm-compressor's smoothing mapping is the family's own (Phi-3's fused qkv_proj / gate_up_proj)
 @pytest.mark.parametrize("case,method", [(c, "gptq") for c in QUANT_CASES] + [("phi4-partial", "awq")])
 def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case, method):
-    float_model = _checkpoint(tmp_path / "src", case)
+    float_model = _source(tmp_path, case)
     artifact = _build(tmp_path, tmp_path / "src", "float32", *_quant(tmp_path, method))
     q = json.loads((artifact / "config.json").read_text())["quantization_config"]
     assert q["quant_method"] == "compressed-tensors" and q["format"] == "pack-quantized"
     assert json.loads((artifact / "manifest.json").read_text())["quantize"]["method"] == method
-    ref = transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32).eval()
+    ref = _reference(artifact)
     ids = _ids()
     with torch.no_grad():
         want, unquantized = ref(ids).logits, float_model(ids).logits
@@ -107,7 +123,7 @@ def test_w4a16_build_matches_transformers_on_its_checkpoint(tmp_path, case, meth
 
 @pytest.mark.parametrize("case", TP_CASES)
 def test_tp2_build_matches_transformers(tmp_path, case):
-    ref = _checkpoint(tmp_path / "src", case)
+    ref = _source(tmp_path, case)
     artifact = _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2")
     layout = json.loads((artifact / "tensor_parallel.json").read_text())["tensors"]
     cfg = _config(case)
@@ -120,6 +136,9 @@ def test_tp2_build_matches_transformers(tmp_path, case):
         assert layout["model.layers.0.mlp.gate_up_proj.weight"]["parts"] == [cfg.intermediate_size] * 2
     if cfg.model_type == "qwen3":
         assert layout[attn + "q_norm.weight"]["split"] == layout[attn + "k_norm.weight"]["split"] == "replicated"
+    if cfg.model_type == "gemma2":  # sandwich norms: every rank applies them to the summed output
+        for norm in ("post_attention", "pre_feedforward", "post_feedforward"):
+            assert layout[f"model.layers.1.{norm}_layernorm.weight"]["split"] == "replicated"
 
     ids, prompts = _ids(), _prompts()
     with torch.no_grad():
@@ -131,17 +150,19 @@ def test_tp2_build_matches_transformers(tmp_path, case):
     assert tokens == _greedy(ref, prompts)
 
 
-@pytest.mark.parametrize("case,symmetric", [("phi4-partial", False), ("llama-bias-dynamic", True), ("qwen3", True)])
+@pytest.mark.parametrize("case,symmetric", [("phi4-partial", False), ("llama-bias-dynamic", True), ("qwen3", True),
+                                            ("gemma2", True)])
 def test_w4a16_tp2_matches_transformers_on_the_quantized_checkpoint(tmp_path, monkeypatch, case, symmetric):
     """Quantized, then sharded: Phi-4-mini's fused int4 qkv_proj (values, group scales, asymmetric zero points
     packed 8 to a word along the output) split per part with its partial rotary reordered per rank, Llama's
-    row-parallel biases counted once, Qwen3's q/k norms. Every rank dequantizes (int4 kernels off), so the
+    row-parallel biases counted once, Qwen3's q/k norms, Gemma 2's soft-caps, scale, sandwich norms and windows on
+    every rank. Every rank dequantizes (int4 kernels off), so the
     float32 logits must equal transformers' on the checkpoint the quantize stage wrote, up to the order of sums."""
-    _checkpoint(tmp_path / "src", case)
+    _source(tmp_path, case)
     quant = [*_quant(tmp_path), f"quant.symmetric={str(symmetric).lower()}"]
     assert _build(tmp_path, tmp_path / "src", "float32", *quant) == tmp_path / "out"
     single = shutil.move(tmp_path / "out", tmp_path / "tp1")
-    ref = transformers.AutoModelForCausalLM.from_pretrained(single, dtype=torch.float32).eval()
+    ref = _reference(single)
     artifact = _build(tmp_path, tmp_path / "src", "float32", "parallel.tp=2", *quant)  # same cache: same quantize
     stages = [json.loads((a / "manifest.json").read_text())["stages"] for a in (single, artifact)]
     assert stages[0]["quantize"] == stages[1]["quantize"] and "shard" in stages[1]
@@ -201,33 +222,48 @@ def test_tp_that_splits_a_kv_head_is_refused_before_quantizing(tmp_path, case, t
     assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"  # a local source: before the load stage
 
 
-def test_a_family_sharding_has_no_rule_for_is_refused_naming_the_known_ones():
-    cfg = {**_config("mistral").to_dict(), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}
+def _gemma3_text(path) -> dict:
+    """A Gemma 3 text config.json (no weights: the refusals come before anything reads them)."""
+    cfg = transformers.Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=24)
+    cfg.architectures = ["Gemma3ForCausalLM"]
+    cfg.save_pretrained(path)
+    return cfg.to_dict()
+
+
+def test_a_family_the_stages_have_no_rule_for_is_refused_naming_the_known_ones(tmp_path):
+    """gemma3_text (served or not yet by runtime/model/families.py) has not been checked quantized or sharded:
+    both stages refuse it by name, whatever the runtime takes."""
+    cfg = _gemma3_text(tmp_path)
+    assert "gemma3_text" not in QUANTIZABLE + SHARDABLE
     with pytest.raises(ShardError, match=r"parallel.tp=2: sharding knows model_type llama, qwen2, qwen3, mistral, "
-                                         r"phi3, gemma, not Gemma2ForCausalLM \(model_type 'gemma2'\); build it with "
-                                         r"parallel.tp=1"):
+                                         r"phi3, gemma, gemma2, not Gemma3ForCausalLM \(model_type 'gemma3_text'\); "
+                                         r"build it with parallel.tp=1"):
         check_tp(cfg, 2)
+    recipe = compose_recipe([f"model.source={tmp_path}", *_quant(tmp_path)])
+    with pytest.raises(QuantError, match=r"quant.method=gptq: model_type 'gemma3_text' is not supported; supported: "
+                                         r"llama, qwen2, qwen3, mistral, phi3, gemma, gemma2; build it with quant=none"):
+        quant_plan(recipe, cfg)
 
 
-@pytest.mark.parametrize("method", ["awq", "w8a8"])
-def test_gemma_refuses_smoothing_methods_before_calibrating(tmp_path, method):
-    """AWQ and SmoothQuant fold scales into the RMSNorm weight, which Gemma multiplies by as (1 + weight)."""
-    _checkpoint(tmp_path / "src", "gemma")
+@pytest.mark.parametrize("what", ["quant", "tp"])
+def test_gemma3_text_is_refused_by_quantize_and_shard_before_any_stage(tmp_path, what):
+    """A quantized or sharded Gemma 3 build stops before any stage, naming the family (runtime/model/families.py's
+    refusal while it serves no gemma3_text, the stages' own once it does)."""
+    _gemma3_text(tmp_path / "src")
+    extra = _quant(tmp_path) if what == "quant" else ["parallel.tp=2"]
+    with pytest.raises(BuildError, match=r"model_type 'gemma3_text'"):
+        _build(tmp_path, tmp_path / "src", "float32", *extra)
+    assert not (tmp_path / "out").exists()
+    assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"
+
+
+@pytest.mark.parametrize("case,method", [("gemma", "awq"), ("gemma", "w8a8"), ("gemma2", "awq"), ("gemma2", "w8a8")])
+def test_gemma_refuses_smoothing_methods_before_calibrating(tmp_path, case, method):
+    """AWQ and SmoothQuant fold scales into a norm's weight, which Gemma multiplies by as (1 + weight)."""
+    _source(tmp_path, case)
     with pytest.raises(BuildError, match=rf"quant.method={method}: .* folds its scales into the RMSNorm weights, "
-                                         r"which model_type 'gemma' applies as \(1 \+ weight\).*use quant.method=gptq"):
+                                         rf"which model_type '{case}' applies as \(1 \+ weight\).*use "
+                                         r"quant.method=gptq"):
         _build(tmp_path, tmp_path / "src", "float32", f"quant.method={method}", "quant.bits=4" if method == "awq"
                else "quant.bits=8", "quant.group_size=16" if method == "awq" else "quant.group_size=-1")
     assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"  # a local source: before the load stage
-
-
-@pytest.mark.parametrize("what,match", [
-    ("quant", r"quant.method=gptq: model_type 'gemma2' is not supported; supported: llama, .*build it with quant=none"),
-    ("tp", r"parallel.tp=2: sharding knows model_type .*model_type 'gemma2'.*parallel.tp=1"),
-])
-def test_gemma2_is_refused_by_quantize_and_shard_before_any_stage(tmp_path, what, match):
-    """Gemma 2 builds in float only so far: a quantized or sharded build stops before any stage, naming the fix."""
-    _checkpoint(tmp_path / "src", "gemma2")
-    extra = _quant(tmp_path) if what == "quant" else ["parallel.tp=2"]
-    with pytest.raises(BuildError, match=match):
-        _build(tmp_path, tmp_path / "src", "float32", *extra)
-    assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"

@@ -120,7 +120,9 @@ def serve_steps(pg, runner, rank: int) -> int:
                 b, length = int(header[1]), int(header[2])
                 ids = torch.empty(b * length, dtype=torch.long)
                 pg.broadcast(ids, 0).wait()
-                runner.model(ids, torch.arange(length).repeat(b), DenseCausalContext(b, length))
+                # rank 0's Transformer.logits: the same windows (a sliding layer's mask), or rank 1 attends in full
+                model = runner.model
+                model(ids, torch.arange(length).repeat(b), DenseCausalContext(b, length, model.config.layer_windows))
             else:
                 log.error("rank %d: unknown command %d from rank 0 (a different infer release?); exiting", rank, command)
                 return 1
