@@ -116,10 +116,12 @@ def _write_tokenizer(writer: GGUFWriter, vocab, arch: str, merges: bool) -> None
         writer.add_add_space_prefix(False)  # llama.cpp writes this for every Gemma
 
 
-def _write_gguf(path, arch: str, model, vocab, merges: bool = False) -> None:
+def _write_gguf(path, arch: str, model, vocab, merges: bool = False, name: str | None = None) -> None:
     """Write model into path as llama.cpp's convert_hf_to_gguf.py does for arch (float32 tensors)."""
     c = model.config
     writer = GGUFWriter(path, arch)
+    if name:
+        writer.add_name(name)
     writer.add_context_length(c.max_position_embeddings)
     writer.add_embedding_length(c.hidden_size)
     writer.add_block_count(c.num_hidden_layers)
@@ -309,3 +311,24 @@ def test_refuses_other_architectures(tmp_path):
     _tiny_file(tmp_path / "gemma3n.gguf", "gemma3n")
     with pytest.raises(ValueError, match="'gemma3n'; supported: llama, qwen2, qwen3, phi3, gemma, gemma2, gemma3$"):
         convert_gguf(tmp_path / "gemma3n.gguf", tmp_path)
+
+
+def test_mistral_named_llama_file(tmp_path, vocab):
+    """llama.cpp writes Mistral as architecture llama. transformers 5.17 cannot load such a file named "mistral"
+    (it turns it into model_type mistral, which gguf-py no longer names); the conversion keeps model_type llama,
+    the same maths (the file holds no sliding window), and gives the weights transformers reads from the file
+    without that name."""
+    model = _hf_model("llama", len(vocab[0]))
+    _write_gguf(tmp_path / "mistral.gguf", "llama", model, vocab, name="mistral")
+    _write_gguf(tmp_path / "llama.gguf", "llama", model, vocab)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(tmp_path / "mistral.gguf", out)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    with pytest.raises(NotImplementedError, match="mistral"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="mistral.gguf")
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="llama.gguf", dtype=torch.float32).state_dict()
+    ours = load_file(out / "model.safetensors")
+    assert set(ours) == set(theirs)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]), name
