@@ -184,7 +184,8 @@ def run_fairness(args, work: Path) -> dict:
         log = work / f"fair-{mode}.log"
         extra = ["--tenants", str(tenants)] if mode == "fair" else ["--api-key", "sk-a"]
         proc = _start([_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype", args.dtype,
-                       "--kernels", args.kernels, "--kv-cache-memory", "1G", *extra], log)
+                       "--kernels", args.kernels, "--kv-cache-memory", "1G", "--step-trace",
+                       str(work / f"fair-{mode}-steps.jsonl"), *extra], log)
         try:
             _wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
             url = f"http://127.0.0.1:{args.port}"

@@ -225,5 +225,29 @@ def test_a_running_long_prompt_yields_the_prompt_budget_to_a_less_served_tenant(
     while not short.output_token_ids:
         run_step(sched)
         steps += 1
-    assert steps <= 4  # 40 prompt tokens at 32 a step, alternating with a: not after a's 600-token prompt
+    assert steps == 2  # 40 prompt tokens at 32 a step, as alone: not after a's 600-token prompt, not in turns
     first_steps(sched, longs)  # and a's prompts still finish
+
+
+def test_service_while_the_others_idled_is_no_debt():
+    """b is served alone, then a floods an idle engine, then b sends one short request: b is not made to
+    wait until a has caught up with what b used while a idled (it starts within a step, as level)."""
+    sched = Scheduler(BlockManager(8192, 16), max_num_seqs=128, max_num_batched_tokens=1024,
+                      fairness=Fairness(prompt_tokens_per_step=64))
+    first_steps(sched, [_add(sched, seq(f"b-alone{i}", 90, max_tokens=24, tenant="b")) for i in range(10)])
+    assert sched.served["b"] >= 10 * 100
+    flood = [_add(sched, seq(f"a{i}", 700, max_tokens=16, tenant="a")) for i in range(16)]
+    run_step(sched)
+    assert sched.served["a"] >= sched.served["b"]  # a came to an idle engine: level with b's history
+    probe = _add(sched, seq("b-probe", 90, max_tokens=2, tenant="b"))
+    steps = 0
+    while not probe.output_token_ids:
+        run_step(sched)
+        steps += 1
+    assert steps == 2  # 90 prompt tokens at 64 a step, as alone
+    first_steps(sched, flood)
+
+
+def _add(sched: Scheduler, s: Sequence) -> Sequence:
+    sched.add(s)
+    return s

@@ -18,11 +18,16 @@ takes it) orders the waiting line before anything else, then fair share between 
 tenant's served tokens (prompt and output, divided by its weight) are counted, and the waiting
 request of the tenant served least joins first (the virtual token counter of Sheng et al., "Fairness
 in Serving Large Language Models", OSDI 2024); a tenant arriving after idling starts level with the
-least-served active one, so idle time banks no credit. A tenant's ``max_running`` caps its running
+least-served active one, so idle time banks no credit, and one arriving at an idle engine starts level
+with the most served, so tokens served while the others were idle are no debt. A tenant's ``max_running`` caps its running
 sequences. The preemption victim is the worst priority, newest first. Fair share only works when a
 step cannot be filled by one tenant's long prompt: ``prompt_tokens_per_step`` caps the prompt
 tokens a step computes (running chunks included), so one tenant's 1,024-token prompts are cut into
-chunks and another's decodes and short prompts run beside them every step.
+chunks and another's decodes and short prompts run beside them every step. Fair share decides who
+starts: a running prompt of a tenant served at least as much as a waiting request's tenant yields
+the step's prompt budget to it. Once started, the running prompt with the fewest tokens left gets
+the budget first (shortest remaining first), so a short prompt let in during another tenant's flood
+reaches its first token in as many steps as it would alone.
 """
 
 from __future__ import annotations
@@ -87,22 +92,27 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         t = seq.tenant
         active = {s.tenant for s in self.running} | {s.tenant for s in self.waiting}
-        if t not in active:  # back from idle: level with the least-served active tenant, no banked credit
-            floor = min((self.served.get(a, 0.0) for a in active), default=0.0)
-            self.served[t] = max(self.served.get(t, 0.0), floor)
+        if t not in active:
+            # back from idle: level with the least-served active tenant (idling banks no credit); into an idle
+            # engine, level with the most served (what was served while others were idle is no debt)
+            served = [self.served.get(a, 0.0) for a in active] or [max(self.served.values(), default=0.0)]
+            self.served[t] = max(self.served.get(t, 0.0), min(served))
         self.waiting.append(seq)
 
     def _charge(self, seq: Sequence, n: int) -> None:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n / self.fairness.weights.get(seq.tenant, 1.0)
 
     def _yield_to(self) -> tuple[int, float, str] | None:
-        """(priority, served, tenant) of the waiting request that would join next, when it could join now."""
+        """(priority, served, tenant) of the waiting request that would join next, when it could join now,
+        among tenants with no prompt in progress (one that has is being served: its running prompt takes
+        the budget, so yielding would admit nothing)."""
         if not self.waiting or len(self.running) >= self.max_num_seqs:
             return None
         running_by_tenant: dict[str, int] = {}
         for s in self.running:
             running_by_tenant[s.tenant] = running_by_tenant.get(s.tenant, 0) + 1
-        at = self._next_waiting(running_by_tenant)
+        prompting = {s.tenant for s in self.running if s.num_computed_tokens < s.num_prompt_tokens}
+        at = self._next_waiting(running_by_tenant, skip=prompting)
         if at is None:
             return None
         seq = self.waiting[at]
@@ -112,14 +122,14 @@ class Scheduler:
             return None  # no room for it now: yielding would only stall the running prompt
         return seq.priority, self.served.get(seq.tenant, 0.0), seq.tenant
 
-    def _next_waiting(self, running_by_tenant: dict[str, int]) -> int | None:
+    def _next_waiting(self, running_by_tenant: dict[str, int], skip: set[str] = frozenset()) -> int | None:
         """Index in ``waiting`` of the one to join next: lowest priority value, then least-served tenant
-        (on a tie, the one running fewer), then its place in line; tenants at their ``max_running`` are
-        passed over."""
+        (on a tie, the one running fewer), then its place in line; tenants at their ``max_running`` (and
+        those in ``skip``) are passed over."""
         cap = self.fairness.max_running
         best, key = None, None
         for i, seq in enumerate(self.waiting):
-            if seq.tenant in cap and running_by_tenant.get(seq.tenant, 0) >= cap[seq.tenant]:
+            if seq.tenant in skip or seq.tenant in cap and running_by_tenant.get(seq.tenant, 0) >= cap[seq.tenant]:
                 continue
             k = (seq.priority, self.served.get(seq.tenant, 0.0), running_by_tenant.get(seq.tenant, 0), i)
             if key is None or k < key:
@@ -163,10 +173,11 @@ class Scheduler:
         # waiting one that could start now yields the budget to it (else one tenant's long prompts would hold it chunk after chunk)
         yield_to = self._yield_to() if cap else None
 
-        # running sequences first: by priority (with a prompt budget, then least-served tenant: who gets the
-        # budget's chunks), then oldest first
-        self.running.sort(key=(lambda s: (s.priority, self.served.get(s.tenant, 0.0))) if cap else
-                          (lambda s: s.priority))
+        # running sequences first: by priority (with a prompt budget, then the fewest prompt tokens left: the
+        # budget's chunks finish the prompt nearest its first token, so a short prompt that fair share let in
+        # is not cut into turns with a long one), then oldest first
+        self.running.sort(key=(lambda s: (s.priority, s.num_uncomputed_tokens if s.num_computed_tokens <
+                                          s.num_prompt_tokens else 0)) if cap else (lambda s: s.priority))
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
