@@ -75,11 +75,38 @@ TOKEN_TYPE_CONTROL = 3  # special tokens (<s>, <|im_end|>): matched whole, left 
 TOKEN_TYPE_USER_DEFINED = 4  # added tokens that are not special (Phi-3's chat markers, Qwen's <tool_call>)
 SPM_SPACE = "\u2581"  # SentencePiece's visible space
 
-# The regex Qwen2's own tokenizer splits with before byte-level encoding.
+# tokenizer.ggml.pre (llama.cpp's name for a byte-level tokenizer's split rule) -> the regex the original
+# tokenizer.json splits with before byte-level encoding. "default"/"gpt-2": GPT-2's own regex; "smollm": every
+# digit apart, then GPT-2's.
 QWEN2_SPLIT = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
+LLAMA3_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+TEKKEN_SPLIT = (  # Mistral Nemo
+    rf"""[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+O200K_SPLIT = (  # GPT-4o's, Phi-4-mini's
+    rf"""[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}"""
+    rf"""|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}|\p{{N}}{{1,3}}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+PRE_SPLITS = {
+    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT,
+    "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT,
+    "tekken": TEKKEN_SPLIT,
+    "gpt-4o": O200K_SPLIT,
+}
+PRE_NAMES = ("default", "gpt-2", "smollm", *PRE_SPLITS)
+# these take a word the vocabulary holds whole without merging (the original's ignore_merges) and add the BOS
+# where the file does not say (llama.cpp's defaults); SentencePiece files add it too
+WHOLE_WORDS = ("llama-bpe", "llama3", "llama-v3", "tekken")
 
 
 def embedded_gguf_path() -> Path:
@@ -122,6 +149,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
         raise ValueError(
             f"{gguf_path}: tokenizer model {model!r} is not supported; supported: "
             "gpt2 (byte-level BPE), llama (SentencePiece)"
+        )
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if model == "gpt2" and pre not in PRE_NAMES:
+        raise ValueError(
+            f"{gguf_path}: byte-level pre-tokenizer (tokenizer.ggml.pre) {pre!r} is not supported; supported: "
+            + ", ".join(PRE_NAMES)
         )
 
     config = _config(fields, reader, arch, dtype)
@@ -276,16 +309,16 @@ def _tensors(reader: GGUFReader, arch: str, config: dict, dtype: torch.dtype) ->
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The split rule before BPE; llama.cpp names it in tokenizer.ggml.pre."""
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre == "smollm":  # SmolLM splits every digit on its own before the GPT-2 regex.
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    if pre == "qwen2":
+    if pre in PRE_SPLITS:
         return pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(PRE_SPLITS[pre]), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre == "smollm":  # SmolLM splits every digit on its own before the GPT-2 regex.
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     return byte_level
 
 
@@ -297,7 +330,9 @@ def _build_tokenizer(fields: dict, arch: str) -> Tokenizer:
         tokenizer = _byte_level(fields)
     # the special tokens put around every text, as tokenizer.ggml.add_bos_token / add_eos_token say
     bos, eos = (_token_id(fields, kind) for kind in ("bos", "eos"))
-    before = [bos] if fields.get("tokenizer.ggml.add_bos_token") and bos is not None else []
+    add_bos = fields.get("tokenizer.ggml.add_bos_token",
+                         fields["tokenizer.ggml.model"] == "llama" or fields.get("tokenizer.ggml.pre") in WHOLE_WORDS)
+    before = [bos] if add_bos and bos is not None else []
     after = [eos] if fields.get("tokenizer.ggml.add_eos_token") and eos is not None else []
     if before or after:
         a, b = [tokens[i] for i in before] + ["$A"], [tokens[i] for i in before] + ["$B"]
@@ -321,9 +356,9 @@ def _byte_level(fields: dict) -> Tokenizer:
     tokens = fields["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ")) for merge in fields["tokenizer.ggml.merges"]]
     vocab = {token: i for i, token in enumerate(tokens)}
-    tokenizer = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     pre = fields.get("tokenizer.ggml.pre", "default")
-    if pre == "qwen2":
+    tokenizer = Tokenizer(BPE(vocab, merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in WHOLE_WORDS))
+    if pre in ("qwen2", "deepseek-r1-qwen"):
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
     tokenizer.decoder = decoders.ByteLevel()

@@ -332,3 +332,87 @@ def test_mistral_named_llama_file(tmp_path, vocab):
     assert set(ours) == set(theirs)
     for name, tensor in ours.items():
         assert torch.equal(tensor, theirs[name]), name
+
+
+# The split regexes of the original tokenizer.json files (as llama.cpp's llama-vocab.cpp quotes them), written out
+# here apart from the converter's own constants
+ORIGINAL_SPLITS = {
+    "llama-bpe": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+                 r"""|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "tekken": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"""
+              r"""[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"""
+              r"""|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    "gpt-4o": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+              r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+              r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+              r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+}
+BYTE_LEVEL_TEXTS = TEXTS + ["I'LL say getServer's camelCase 1234567 and 3.14159 zzqx", "x/y\r\n  z  ", "ÉCOLE naïve"]
+
+
+@pytest.mark.parametrize("pre,arch", [("llama-bpe", "llama"), ("tekken", "llama"), ("gpt-4o", "phi3")])
+def test_byte_level_split_rules(tmp_path, pre, arch):
+    """Llama 3 (llama-bpe), Mistral Nemo (tekken) and Phi-4-mini (gpt-4o, a phi3 file) split text by their own
+    regexes before byte-level BPE, and the first two skip the merges for a word their vocabulary holds whole:
+    a byte-level tokenizer trained with that rule, written into a GGUF as llama.cpp writes one, converts to the
+    same token ids (BOS as llama.cpp adds it by default for the first two)."""
+    from tokenizers import Regex, models, pre_tokenizers as pre_tok, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    original = HFTokenizer(models.BPE())
+    original.pre_tokenizer = pre_tok.Sequence([pre_tok.Split(Regex(ORIGINAL_SPLITS[pre]), behavior="isolated"),
+                                               pre_tok.ByteLevel(add_prefix_space=False, use_regex=False)])
+    text = open("/usr/share/common-licenses/GPL-3", encoding="utf-8").read()
+    text += " ".join(str(n) for n in range(0, 100000, 7))  # numbers, so that digit groups merge
+    trainer = trainers.BpeTrainer(vocab_size=700, initial_alphabet=pre_tok.ByteLevel.alphabet(), show_progress=False,
+                                  special_tokens=["<s>", "</s>"])
+    original.train_from_iterator([text], trainer)
+    spec = json.loads(original.to_str())
+    spec["model"]["ignore_merges"] = pre != "gpt-4o"
+    # a word the vocabulary holds whole though no merge makes it: ignore_merges takes it as one token
+    spec["model"]["vocab"]["\u0120zzqx"] = len(spec["model"]["vocab"])
+    original = HFTokenizer.from_str(json.dumps(spec))
+    vocab = sorted(original.get_vocab().items(), key=lambda item: item[1])
+
+    writer = GGUFWriter(tmp_path / "bpe.gguf", arch)
+    for key, value in [("context_length", 64), ("embedding_length", 8), ("block_count", 1),
+                       ("feed_forward_length", 16), ("attention.head_count", 2)]:
+        writer.add_uint32(f"{arch}.{key}", value)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list([t for t, _ in vocab])
+    writer.add_token_types([3 if t in ("<s>", "</s>") else 1 for t, _ in vocab])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_tensor("token_embd.weight", np.ones((len(vocab), 8), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    convert_gguf(tmp_path / "bpe.gguf", tmp_path)
+
+    ours = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    bos = [0] if pre != "gpt-4o" else []
+    for text in BYTE_LEVEL_TEXTS:
+        want = original.encode(text).ids
+        assert ours.encode(text).ids == bos + want, text
+        assert ours.decode(want, skip_special_tokens=False) == text, text
+        # the split itself, piece for piece (ids alone cannot tell rules apart where no merge crosses the difference)
+        assert ours.pre_tokenizer.pre_tokenize_str(text) == original.pre_tokenizer.pre_tokenize_str(text), text
+    # a word the vocabulary holds whole: one token where merges are skipped, the merges' pieces where not
+    assert (len(ours.encode(" zzqx", add_special_tokens=False).ids) == 1) == (pre != "gpt-4o")
+
+
+def test_refuses_other_byte_level_split_rules(tmp_path):
+    path = tmp_path / "other.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("deepseek-llm")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="pre-tokenizer .*'deepseek-llm' is not supported; supported: default, gpt-2"):
+        convert_gguf(path, tmp_path)
