@@ -189,9 +189,9 @@ def test_gemma3_config_values_it_would_misread_are_refused(key, value, match):
 
 def test_gemma3_multimodal_is_refused_naming_the_text_model():
     cfg = {**_config().to_dict(), "model_type": "gemma3"}
-    with pytest.raises(UnsupportedConfig, match=r"model_type 'gemma3' is not supported yet: the vision tower and its "
-                                                r"image tokens are not implemented; supported: .*gemma3_text: Gemma 3's "
-                                                r"text model, Gemma3ForCausalLM"):
+    with pytest.raises(UnsupportedConfig, match=r"model_type 'gemma3' is not supported yet: the vision tower and "
+                                                r"its image tokens are not implemented; supported: .*gemma3_text: "
+                                                r"Gemma 3's text model, Gemma3ForCausalLM"):
         check_config(cfg)
 
 
@@ -230,5 +230,6 @@ def test_gemma3_runs_the_python_layer_loop_in_bfloat16(tmp_path):
         gap = (logp.max(-1).values - chosen).max().item()
         off = (torch.tensor([a["logprob"] for a in out.logprobs]) - chosen).abs().max().item()
         print("engine bfloat16: worst argmax gap", gap, "logprob diff", off)
+        # bfloat16 noise at these weights (std 0.1, logits up to ~4): measured gaps 0 to 0.03, logprobs 0.02 to 0.054
         assert gap < 0.1 and off < 0.1, (gap, off)
 

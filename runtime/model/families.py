@@ -48,7 +48,7 @@ class Family:
     # "qkv" (q/k/v always, o never: Qwen2), "none"
     attention_bias: str = "none"
     mlp_bias: bool = False  # reads the mlp_bias key (gate/up/down)
-    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm of q and k before rope (Qwen3; Gemma 3, by 1 + weight)
     # the key that switches sliding_window on (Qwen's use_sliding_window); None: sliding_window alone
     window_flag: str | None = None
     packed_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused (Phi-3)
@@ -180,7 +180,8 @@ def layer_types(cfg: dict) -> list[str] | None:
     if types is None and family.window_flag is not None:
         first = cfg.get("max_window_layers", layers)
         types = ["full_attention" if i < first else "sliding_attention" for i in range(layers)]
-    if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) - set(LAYER_TYPES)):
+    if types is not None and (not isinstance(types, (list, tuple)) or len(types) != layers
+                              or set(types) - set(LAYER_TYPES)):
         raise _refuse("layer_types", types, f"{layers} entries of full_attention or sliding_attention")
     return types
 

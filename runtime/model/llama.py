@@ -65,10 +65,10 @@ class ModelConfig:
     embed_scale: bool = False  # embeddings times sqrt(hidden_size), in the model's dtype (Gemma)
     # RMSNorm scales by (1 + weight) in float32, then rounds (Gemma): the loader stores 1 + weight in float32
     norm_offset: bool = False
-    sandwich_norms: bool = False  # attention and MLP outputs normed before the residual add (Gemma 2)
+    sandwich_norms: bool = False  # attention and MLP outputs normed before the residual add (Gemma 2, 3)
     attn_softcap: float = 0.0  # attention scores become tanh(s / cap) * cap (Gemma 2); 0: none
-    final_softcap: float = 0.0  # the logits likewise (Gemma 2); 0: none
-    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (Gemma 2); None: head_dim's
+    final_softcap: float = 0.0  # the logits likewise (Gemma 2, 3); 0: none
+    query_pre_attn_scalar: float | None = None  # the attention scale is its -1/2 power (Gemma 2, 3); None: head_dim's
     # Gemma 3: the rotary of the sliding_attention layers (rope_theta and rope_scaling as above) and which layers
     # turn with it (layer_types' sliding ones, whether or not the window cuts anything); None: one for every layer
     local_rope_theta: float | None = None
@@ -326,7 +326,7 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
-        # Qwen3: each head of q and k RMS-normed before rope
+        # Qwen3, Gemma 3: each head of q and k RMS-normed before rope
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
