@@ -4,6 +4,12 @@ The conversion reads the file with the `gguf` package only (no transformers), so
 embedded default model can be turned into a checkpoint that every reader understands:
 config.json, model.safetensors, tokenizer.json, tokenizer_config.json and
 generation_config.json.
+
+It undoes what llama.cpp's convert_hf_to_gguf.py does per architecture (ARCHITECTURES: q/k row
+permutation for llama, 1 + weight norms for Gemma, Phi-3's fused tensors kept fused) and restates
+what llama.cpp fixes in code rather than in the file (Gemma's window patterns and attention scale).
+Tokenizers: byte-level BPE with the split rule tokenizer.ggml.pre names, or SentencePiece. Anything
+else (another architecture, tokenizer, split rule, rope scaling) is refused, naming what is supported.
 """
 
 from __future__ import annotations

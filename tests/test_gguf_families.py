@@ -1,5 +1,6 @@
 """GGUF conversion of the families llama.cpp writes besides byte-level Llama/Qwen: SentencePiece Llama (Llama 2,
-Mistral), Phi-3, Gemma and Gemma 2.
+Mistral), Phi-3, Gemma, Gemma 2 and Gemma 3 (text), and the byte-level split rules of Llama 3, Mistral Nemo and
+Phi-4-mini.
 
 Each test takes a small random Hugging Face model, writes it into a GGUF file the way llama.cpp's
 convert_hf_to_gguf.py does for that architecture (its tensor names, metadata keys, q/k permutation for llama,
