@@ -166,6 +166,35 @@ def test_gemma3_rotary_tables_per_layer_type_match_transformers():
     assert cfg.local_rope_layers == (True,) * 5 + (False,) + (True,) * 2
 
 
+def test_gemma3_older_config_spelling_and_final_softcap_match_transformers(tmp_path):
+    """A config.json in the spelling the hub's Gemma 3 checkpoints use (rope_scaling, rope_theta,
+    rope_local_base_freq, sliding_window_pattern; no layer_types, no rope_parameters), with a final logit
+    soft-cap low enough to bend the logits: the runtime's float32 logits equal transformers' reading the same
+    directory."""
+    src = tmp_path / "src"
+    _model(_config()).save_pretrained(src)
+    raw = json.loads((src / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+        raw.pop(key, None)
+    raw.update(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1e6, rope_local_base_freq=1e4,
+               sliding_window_pattern=3, final_logit_softcapping=3.0)
+    (src / "config.json").write_text(json.dumps(raw))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32,
+                                                            attn_implementation="eager").eval()
+    assert ref.config.layer_types == ["sliding_attention", "sliding_attention", "full_attention",
+                                      "sliding_attention"]
+    assert ref.config.rope_parameters == ROPE
+    ours = load_model(src, kernels="torch")
+    assert ours.config.final_softcap == 3.0
+    ids = torch.randint(0, VOCAB, (2, random.randint(4 * WINDOW, CONTEXT)))
+    with torch.no_grad():
+        want = ref(ids).logits
+    err = (ours.logits(ids) - want).abs().max().item()
+    print("length", ids.shape[1], "max |logit diff|", err, "logit scale (cap 3)", want.abs().max().item())
+    assert err < 1e-5 * max(1.0, want.abs().max().item()), err
+    assert want.abs().max().item() > 2.0  # logits where tanh(x / 3) * 3 bends well away from x
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("rope_parameters", {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
      r"rope_parameters=.* is not supported for model_type gemma3_text; supported: a dict keyed by layer type"),
