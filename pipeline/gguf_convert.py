@@ -52,8 +52,10 @@ ARCHITECTURES = {
     "gemma2": Arch("gemma2", "Gemma2ForCausalLM", False, True, {"ffn_norm": "pre_feedforward_layernorm"}),
     "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", False, True, {"ffn_norm": "pre_feedforward_layernorm"}),
 }
-# rotary frequency factors llama.cpp stores as tensors instead of config keys
-ROPE_FACTOR_TENSORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# rotary frequency factors llama.cpp stores as tensors instead of config keys: Phi-3's longrope ones (read back
+# into rope_parameters), Llama 3.1's computed llama3 frequencies (whose parameters the file no longer holds)
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+ROPE_FACTOR_TENSORS = {"rope_freqs.weight", *LONGROPE_TENSORS}
 TOKENIZER_MODELS = ("gpt2", "llama")  # byte-level BPE; SentencePiece (its BPE, or Gemma's as transformers reads it)
 
 GLOBAL_TENSORS = {
@@ -144,11 +146,12 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     scaling = fields.get(f"{arch}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ValueError(f"{gguf_path}: rope scaling {scaling!r} is not supported; supported: none, linear")
-    factors = sorted({t.name for t in reader.tensors} & ROPE_FACTOR_TENSORS)
+    read_back = set(LONGROPE_TENSORS if arch == "phi3" else ())
+    factors = sorted({t.name for t in reader.tensors} & ROPE_FACTOR_TENSORS - read_back)
     if factors:
         raise ValueError(
-            f"{gguf_path}: rotary scaling tensors {', '.join(factors)} (Llama 3.1's llama3 rope or Phi-3's longrope) "
-            "are not supported; convert the original Hugging Face checkpoint instead"
+            f"{gguf_path}: rotary scaling tensors {', '.join(factors)} (Llama 3.1's llama3 rope) are not supported "
+            "(phi3's longrope factors are); convert the original Hugging Face checkpoint instead"
         )
     model = fields.get("tokenizer.ggml.model")
     if model not in TOKENIZER_MODELS:
@@ -244,6 +247,16 @@ def _config(fields: dict, reader: GGUFReader, arch: str, dtype: torch.dtype) -> 
         config["original_max_position_embeddings"] = int(
             fields.get(f"{arch}.rope.scaling.original_context_length", config["max_position_embeddings"])
         )
+        factors = {t.name: t for t in reader.tensors if t.name in LONGROPE_TENSORS}
+        if factors:  # Phi-3.5-mini, Phi-4-mini, the 128k Phi-3s
+            config["rope_parameters"] |= {
+                "rope_type": "longrope",
+                "long_factor": [float(x) for x in factors["rope_factors_long.weight"].data],
+                "short_factor": [float(x) for x in factors["rope_factors_short.weight"].data],
+                "original_max_position_embeddings": config["original_max_position_embeddings"],
+            }
+            if f"{arch}.rope.scaling.attn_factor" in fields:
+                config["rope_parameters"]["attention_factor"] = _float(fields[f"{arch}.rope.scaling.attn_factor"])
     if arch.startswith("gemma"):
         config["hidden_act"] = config["hidden_activation"] = "gelu_pytorch_tanh"
     if arch in ("gemma2", "gemma3"):
@@ -302,6 +315,8 @@ def _tensors(reader: GGUFReader, arch: str, config: dict, dtype: torch.dtype) ->
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     tensors = {}
     for tensor in reader.tensors:
+        if tensor.name in LONGROPE_TENSORS:
+            continue  # config.json's rope_parameters hold them
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions fastest first
         weight = torch.tensor(dequantize(tensor.data, tensor.tensor_type)).reshape(shape)
         kind = tensor.name.split(".")[-2]

@@ -10,6 +10,7 @@ transformers on the converted checkpoint, and the token ids against transformers
 """
 
 import json
+import math
 
 import gguf
 import numpy as np
@@ -59,7 +60,7 @@ def vocab():
     return tokens, merges + [f"{SPACE} {SPACE}", f"{SPACE * 2} {SPACE * 2}"]
 
 
-def _hf_model(arch: str, vocab_size: int) -> torch.nn.Module:
+def _hf_model(arch: str, vocab_size: int, longrope: bool = False) -> torch.nn.Module:
     """A small random model; norms away from their resting value, attention and final logits large enough that
     Gemma 2's soft-caps and the sliding window change the result."""
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -69,10 +70,14 @@ def _hf_model(arch: str, vocab_size: int) -> torch.nn.Module:
         config = LlamaConfig(**common, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
                              tie_word_embeddings=False)
     elif arch == "phi3":
-        # Phi-4-mini's partial rotary (12 of 16 dimensions) and Phi-3-mini's sliding window
-        config = Phi3Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                       "partial_rotary_factor": 0.75},
-                            sliding_window=10, original_max_position_embeddings=128, tie_word_embeddings=False)
+        # Phi-4-mini's partial rotary (12 of 16 dimensions) and Phi-3-mini's sliding window; with longrope
+        # (Phi-3.5-mini, Phi-4-mini) a context 8 times the original one, rescaled per frequency
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+        if longrope:
+            rope |= {"rope_type": "longrope", "short_factor": (1 + torch.rand(6)).tolist(),
+                     "long_factor": (1 + 4 * torch.rand(6)).tolist()}
+        config = Phi3Config(**common, rope_parameters=rope, sliding_window=None if longrope else 10,
+                            original_max_position_embeddings=16 if longrope else 128, tie_word_embeddings=False)
     elif arch == "gemma":
         config = GemmaConfig(**common, head_dim=32, hidden_activation="gelu_pytorch_tanh")
     elif arch == "gemma3":
@@ -142,6 +147,12 @@ def _write_gguf(path, arch: str, model, vocab, merges: bool = False, name: str |
                                         // c.num_attention_heads)
         writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
         writer.add_sliding_window(c.sliding_window or 0)
+        if c.rope_parameters["rope_type"] == "longrope":  # as llama.cpp's Phi3MiniModel.generate_extra_tensors
+            scale = c.max_position_embeddings / c.original_max_position_embeddings
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
+                c.original_max_position_embeddings)))
+            writer.add_tensor("rope_factors_long.weight", np.array(c.rope_parameters["long_factor"], np.float32))
+            writer.add_tensor("rope_factors_short.weight", np.array(c.rope_parameters["short_factor"], np.float32))
     else:
         writer.add_key_length(c.head_dim)
         writer.add_value_length(c.head_dim)
@@ -299,10 +310,11 @@ def test_refuses_other_tokenizer_models(tmp_path):
         convert_gguf(tmp_path / "t5.gguf", tmp_path)
 
 
-@pytest.mark.parametrize("arch,tensor", [("llama", "rope_freqs.weight"), ("phi3", "rope_factors_long.weight")])
+@pytest.mark.parametrize("arch,tensor", [("llama", "rope_freqs.weight"), ("gemma2", "rope_factors_long.weight")])
 def test_refuses_rope_factor_tensors(tmp_path, arch, tensor):
-    """Llama 3.1's llama3 rope and Phi-3's longrope travel as tensors, which transformers' GGUF loading drops
-    (it would run them as plain rope): refused rather than converted wrongly."""
+    """Llama 3.1's llama3 rope travels as computed frequencies, whose parameters the file no longer holds
+    (transformers' GGUF loading drops them and runs plain rope): refused rather than converted wrongly; so are
+    longrope factors outside phi3."""
     _tiny_file(tmp_path / "scaled.gguf", arch, tensors=("token_embd.weight", tensor))
     with pytest.raises(ValueError, match=f"rotary scaling tensors {tensor}.*not supported"):
         convert_gguf(tmp_path / "scaled.gguf", tmp_path)
@@ -417,3 +429,35 @@ def test_refuses_other_byte_level_split_rules(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="pre-tokenizer .*'deepseek-llm' is not supported; supported: default, gpt-2"):
         convert_gguf(path, tmp_path)
+
+
+def test_phi3_longrope(tmp_path, vocab):
+    """Phi-3.5-mini / Phi-4-mini: llama.cpp stores longrope's factors as two tensors (which transformers' GGUF
+    loading drops); they come back as rope_parameters, and the converted model computes what the original does
+    both within the original context (short factors) and past it (long factors)."""
+    model = _hf_model("phi3", len(vocab[0]), longrope=True)
+    _write_gguf(tmp_path / "phi3.gguf", "phi3", model, vocab)
+    out = tmp_path / "out"
+    out.mkdir()
+    convert_gguf(tmp_path / "phi3.gguf", out)
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert rope["rope_type"] == "longrope" and rope["original_max_position_embeddings"] == 16
+    want = model.config.rope_parameters
+    for key in ("short_factor", "long_factor"):
+        assert torch.equal(torch.tensor(rope[key]), torch.tensor(want[key], dtype=torch.float32)), key
+    assert "rope_factors_long.weight" not in load_file(out / "model.safetensors")
+
+    from infer.runtime.model import load_model
+
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation=EAGER).eval()
+    for length in (12, 40):  # within the original 16 positions, and past them
+        ids = torch.randint(3, len(vocab[0]), (1, length))
+        with torch.no_grad():
+            theirs = converted(ids).logits
+            assert torch.allclose(theirs, model(ids).logits, rtol=0, atol=1e-5), length
+    # the runtime keeps one choice for the whole served context (long: 128 > 16), as transformers makes past 16
+    got = load_model(out, dtype=torch.float32, kernels="torch").logits(ids)
+    error = (got - theirs).abs().max().item()
+    print(f"phi3 longrope: runtime vs transformers max |logit error| {error:.2e} "
+          f"(logits up to {theirs.abs().max():.2f})")
+    assert error < 1e-4 * max(1.0, theirs.abs().max().item()), error
