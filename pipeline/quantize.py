@@ -78,10 +78,12 @@ class QuantPlan:
 QUANTIZABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
 # methods that fold scales into a norm's weight before the linears it feeds
 SMOOTHING = {"awq": "AWQ", "w8a8": "SmoothQuant"}
-# families whose RMSNorm multiplies by (1 + weight) (Gemma 1, 2, 3): llm-compressor 0.14 converts those norms to
-# plain weights for the whole oneshot (modeling/offset_norm.py), but its mappings for them are Llama's (Gemma 1,
-# Gemma 2's SmoothQuant: which smooths post_attention_layernorm, a sandwich norm that feeds the residual, not
-# gate/up) or unchecked here (Gemma 2's and 3's AWQ: pre_feedforward_layernorm): smoothing stays refused
+# families whose RMSNorm multiplies by (1 + weight) (Gemma 1, 2, 3; gemma3_text once the runtime serves it).
+# llm-compressor 0.14 turns those norms into plain-weight ones for the whole oneshot (modeling/offset_norm.py),
+# but of its mappings only Gemma 2's and 3's AWQ ones are right for their sandwich norms (MLP smoothed from
+# pre_feedforward_layernorm): its SmoothQuant mapping for them is Llama's (post_attention_layernorm, which in
+# Gemma 2/3 feeds the residual, not gate/up), Gemma 1's are Llama's defaults, and no check here tells a right
+# smoothing of these norms from a wrong one (a tiny model's int4 error hides it), so smoothing stays refused
 ONE_PLUS_NORMS = tuple(t for t, f in FAMILIES.items() if f.norm_offset)
 FLOAT_WIDENED = ("fp8", "w8a8")  # quant.auto's wider format for these: float (the layer joins quant.ignore)
 
@@ -145,9 +147,9 @@ def plan(cfg: BuildConfig, config: dict) -> QuantPlan:
     if config.get("model_type") in ONE_PLUS_NORMS and method in SMOOTHING and not (
             method == "w8a8" and smoothing_candidates(cfg) == [0.0]):
         raise QuantError(f"quant.method={method}: {SMOOTHING[method]} folds its scales into the RMSNorm weights, which "
-                         f"model_type {config['model_type']!r} applies as (1 + weight), and llm-compressor has no "
-                         f"mapping for it; use quant.method=gptq or fp8" + (", or w8a8 with quant.smoothing_strength=0"
-                                                                            if method == "w8a8" else ""))
+                         f"model_type {config['model_type']!r} applies as (1 + weight), and its llm-compressor mapping "
+                         f"is not checked for that here; use quant.method=gptq or fp8"
+                         + (", or w8a8 with quant.smoothing_strength=0" if method == "w8a8" else ""))
     linears = model_linears(config)
     for pattern in q.ignore:
         if pattern.startswith("re:"):

@@ -538,3 +538,29 @@ def test_fused_projections_shard_per_part_and_merge_back(tmp_path):
     assert torch.equal(rank0, torch.cat([whole[:32], whole[64:80], whole[96:112]]))  # q, k, v heads of rank 0
     merge(tmp_path / "tp", tmp_path / "merged")
     _assert_same(src, load_file(tmp_path / "merged" / "model.safetensors"))
+
+
+def test_gemma2_sandwich_norms_are_replicated_and_merge_back(tmp_path):
+    """Gemma 2's four norms a layer (post_attention_layernorm norms the attention output, pre/post_feedforward
+    the MLP's input and output) are whole in every rank; merge gives every tensor back."""
+    cfg = transformers.Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=256)
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # Gemma stores weight - 1: random, so a mixed-up norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(tmp_path / "src")
+    _tokenizer(tmp_path / "src")
+    _dirs(tmp_path, "tp", "merged")
+    shard(tmp_path / "src", tmp_path / "tp", 2)
+    t = json.loads((tmp_path / "tp" / LAYOUT_FILE).read_text())["tensors"]
+    src = _tensors(tmp_path / "src")
+    norms = [n for n in src if "norm" in n]
+    assert len(norms) == 4 * 2 + 1 and all(t[n]["split"] == "replicated" for n in norms)
+    for r in range(2):
+        rank = load_file(tmp_path / "tp" / f"rank{r}.safetensors")
+        assert all(torch.equal(rank[n], src[n]) for n in norms)
+    merge(tmp_path / "tp", tmp_path / "merged")
+    _assert_same(src, load_file(tmp_path / "merged" / "model.safetensors"))
