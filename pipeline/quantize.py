@@ -370,11 +370,19 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
         dataset = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
     from llmcompressor import oneshot
 
+    # oneshot turns every (1 + weight) norm into a plain one and back in the checkpoint's dtype
+    # (llmcompressor/modeling/offset_norm.py): in bfloat16 that moved Gemma 2's norm weights by up to 2^-8. These
+    # families are refused the smoothing methods (ONE_PLUS_NORMS), so their norms go back as they came
+    norms = ({n: t.detach().clone() for n, t in model.named_parameters() if n.endswith("norm.weight")}
+             if config.get("model_type") in ONE_PLUS_NORMS else {})
     with _cpu_safe_awq():
         oneshot(model=model, dataset=dataset, recipe=_modifiers(p, cfg),
                 num_calibration_samples=len(windows) if dataset is not None else 0,
                 max_seq_length=cfg.calib.seq_len, shuffle_calibration_samples=False,
                 pipeline="sequential" if dataset is not None else "datafree")
+    with torch.no_grad():
+        for name, weight in norms.items():
+            model.get_parameter(name).copy_(weight)
     calibrated = time.perf_counter() - start
     model.save_pretrained(out, save_compressed=True)
     copy_carried_files(checkpoint, out)  # the source's tokenizer files, byte for byte

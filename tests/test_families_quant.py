@@ -277,3 +277,16 @@ def test_gemma_refuses_smoothing_methods_before_calibrating(tmp_path, case, meth
         _build(tmp_path, tmp_path / "src", "float32", f"quant.method={method}", "quant.bits=4" if method == "awq"
                else "quant.bits=8", "quant.group_size=16" if method == "awq" else "quant.group_size=-1")
     assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"  # a local source: before the load stage
+
+
+def test_quantize_gives_back_one_plus_norms_as_they_were(tmp_path):
+    """llm-compressor's oneshot turns every (1 + weight) norm into a plain one and back in the checkpoint's dtype
+    (modeling/offset_norm.py): in bfloat16 that rounds a weight to 1 + weight's coarser steps. GPTQ smooths
+    nothing, so the quantize stage writes the source's norms back, bit for bit."""
+    _source(tmp_path, "gemma2")
+    artifact = _build(tmp_path, tmp_path / "src", "bfloat16", *_quant(tmp_path))
+    src, out = load_file(tmp_path / "src" / "model.safetensors"), load_file(artifact / "model.safetensors")
+    norms = [n for n in src if n.endswith("norm.weight")]
+    moved = {n: (out[n].float() - src[n].to(torch.bfloat16).float()).abs().max().item() for n in norms}
+    print("norm weights moved by the quantize stage:", moved)
+    assert len(norms) == 4 * 2 + 1 and not any(moved.values())
