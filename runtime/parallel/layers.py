@@ -8,7 +8,9 @@ down_proj) multiply the rank's slice of the activations, so the block's output i
 ranks: ``RowParallel`` wraps them and all-reduces their output, with a bias added once.
 
 Every family's rank model is this one (Qwen3's per-head q/k norms and a partial rotary's per-head dim order
-act within a head, so whole heads need nothing more). The C++ step (runtime/model/fused_step.py) runs all
+act within a head, so whole heads need nothing more; Gemma 2's attention soft-cap and query_pre_attn_scalar
+scale act per score, its sandwich norms on the summed o_proj and down_proj outputs, its windows per layer
+index, so ``rank_config`` keeps them as they are). The C++ step (runtime/model/fused_step.py) runs all
 layers in one call with no all-reduce between them, so a rank's model runs the Python layer loop.
 """
 
