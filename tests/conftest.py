@@ -172,3 +172,22 @@ def step_logprobs(llm, prompts, params, fused_step) -> tuple[list[list[int]], to
     model.fused_step = fused_step
     outs = llm.generate(prompts, params)
     return [o.token_ids for o in outs], torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs])
+
+
+def greedy_gaps(llm, ref, prompts, max_tokens: int = 16) -> list[tuple[float, float]]:
+    """Greedy-decodes ``prompts`` through the engine and scores each answer with the float reference model
+    ``ref`` (transformers): per prompt, (the worst gap between the reference's best logprob and the chosen
+    token's, the worst difference between the engine's logprob of the chosen token and the reference's)."""
+    from infer.runtime import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=0))
+    gaps = []
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            logp = ref(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        chosen = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        gap = (logp.max(-1).values - chosen).max().item()
+        off = (torch.tensor([a["logprob"] for a in out.logprobs]) - chosen).abs().max().item()
+        print("engine: worst argmax gap", gap, "logprob diff", off)
+        gaps.append((gap, off))
+    return gaps

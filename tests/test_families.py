@@ -16,7 +16,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conftest import REPO, run_cli
+from conftest import REPO, greedy_gaps, run_cli
 from infer.kernels import isa, step_layers
 from infer.pipeline.build import build
 from infer.pipeline.config import compose_recipe
@@ -335,14 +335,7 @@ def test_gemma_rounds_as_transformers_in_bfloat16(tmp_path):
         assert type(model.layers[0].self_attn.qkv_proj) is PackedLinear
         assert model.kernels.describe()["decode_attention"] == "cpp"
     prompts = [[random.randrange(VOCAB) for _ in range(random.randint(20, 90))] for _ in range(2)]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0))
-    for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            logp = ref(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].log_softmax(-1)
-        chosen = logp.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-        gap = (logp.max(-1).values - chosen).max().item()
-        off = (torch.tensor([a["logprob"] for a in out.logprobs]) - chosen).abs().max().item()
-        print("engine bfloat16: worst argmax gap", gap, "logprob diff", off)
+    for gap, off in greedy_gaps(llm, ref, prompts):
         assert gap < 0.05 and off < 0.05, (gap, off)
 
 
