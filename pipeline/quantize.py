@@ -73,12 +73,12 @@ class QuantPlan:
 # the families (runtime/model/families.py) llm-compressor quantizes here, each checked against transformers on
 # the checkpoint it writes (tests/test_families_quant.py): a decoder layer class for its sequential pipeline and
 # AWQ smoothing mappings for each (llmcompressor AWQ_MAPPING_REGISTRY: Llama's for llama, qwen2, qwen3, mistral;
-# Phi-3's own for its fused qkv_proj / gate_up_proj). A family the runtime serves but not listed (gemma3_text
-# until it is checked here) is refused by name before any stage.
-QUANTIZABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
+# Phi-3's own for its fused qkv_proj / gate_up_proj). A family the runtime serves but not listed is refused by
+# name before any stage.
+QUANTIZABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text")
 # methods that fold scales into a norm's weight before the linears it feeds
 SMOOTHING = {"awq": "AWQ", "w8a8": "SmoothQuant"}
-# families whose RMSNorm multiplies by (1 + weight) (Gemma 1, 2, 3; gemma3_text once the runtime serves it).
+# families whose RMSNorm multiplies by (1 + weight) (Gemma 1, 2, 3; Gemma 3's q/k norms too).
 # llm-compressor 0.14 turns those norms into plain-weight ones for the whole oneshot (modeling/offset_norm.py),
 # but of its mappings only Gemma 2's and 3's AWQ ones are right for their sandwich norms (MLP smoothed from
 # pre_feedforward_layernorm): its SmoothQuant mapping for them is Llama's (post_attention_layernorm, which in
@@ -343,7 +343,9 @@ def _modifiers(p: QuantPlan, cfg: BuildConfig) -> list:
 
 def hf_attention(config: dict) -> dict:
     """transformers' loading arguments that compute this family as the runtime does: its SDPA attention drops
-    Gemma 2's attn_logit_softcapping (only the eager attention caps), so calibration would see other activations."""
+    Gemma 2's attn_logit_softcapping (only the eager attention caps), so calibration would see other activations.
+    Every family with soft-cap keys runs eager: Gemma 3 too (no attention soft-cap), the attention its runtime is
+    checked against (tests/test_gemma3.py)."""
     return {"attn_implementation": "eager"} if FAMILIES[config["model_type"]].softcaps else {}
 
 

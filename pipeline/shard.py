@@ -46,8 +46,8 @@ What is split how, and why (Megatron's scheme, the one vLLM and TensorRT-LLM use
   own slice of the activations, and the sum over ranks (one all-reduce per block) is the output.
   A row-parallel bias (Llama's attention_bias / mlp_bias, Qwen3's attention_bias) is replicated and
   must be added once (runtime/parallel/layers.py).
-- RMSNorm weights are replicated, Gemma 2's sandwich norms (pre/post_feedforward_layernorm) too, and
-  Qwen3's per-head q/k norms (they are [head_dim], the same for every head). A partial rotary
+- RMSNorm weights are replicated, Gemma 2's and 3's sandwich norms (pre/post_feedforward_layernorm) too,
+  and Qwen3's and Gemma 3's per-head q/k norms (they are [head_dim], the same for every head). A partial rotary
   (Phi-4-mini) needs nothing here: the runtime reorders each head's q/k dims at load, per head, so
   a rank's whole heads reorder alike.
 - Embedding and LM head are **replicated** (``vocab_parallel=True`` gives ``vocab`` splits, kept for
@@ -98,9 +98,9 @@ from .stage import copy_carried_files
 
 SPLITS = ("column", "column_parts", "row", "vocab", "replicated", "shape")
 # the families (runtime/model/families.py) whose tensors plan() has a rule for
-# (checked at tp=2 against transformers, tests/test_families_quant.py); any other family the runtime serves
-# (gemma3_text until it is checked here) is refused by name before any stage
-SHARDABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2")
+# (checked at tp=2 against transformers, tests/test_families_quant.py); any other family the runtime serves is
+# refused by name before any stage
+SHARDABLE = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma", "gemma2", "gemma3_text")
 
 # safetensors dtype codes and their torch dtypes (bytes per element: the dtype's itemsize)
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -257,7 +257,7 @@ def check_tp(config: dict, tp: int, group_size: int | None = None) -> None:
     """Fails before any work when the model cannot be split into ``tp`` ranks of whole heads (and,
     given the quantization group size it is about to be quantized with, of whole groups)."""
     arch = (config.get("architectures") or ["?"])[0]
-    # tp=1 splits nothing: every family the runtime serves builds at tp=1 (Gemma 2 too)
+    # tp=1 splits nothing: every family the runtime serves builds at tp=1
     if tp > 1 and config.get("model_type") not in SHARDABLE:
         raise ShardError(f"parallel.tp={tp}: sharding knows model_type {', '.join(SHARDABLE)}, not {arch} "
                          f"(model_type {config.get('model_type')!r}); build it with parallel.tp=1")

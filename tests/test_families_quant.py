@@ -2,8 +2,9 @@
 checked against transformers: the W4A16 artifact is a compressed-tensors checkpoint that transformers loads
 itself, so both sides compute the same integer weights; a tp=2 build's logits (every rank taking part) and
 greedy tokens against the float model's, and a quantized tp=2 build against transformers on the checkpoint its
-quantize stage wrote. What cannot be sharded (a KV head per rank at least) is refused before quantizing, and a
-family these stages have not been checked on (gemma3_text) before any stage."""
+quantize stage wrote; Gemma 3's text model (gemma3_text, tests/test_gemma3.py's family) in a shape whose KV heads
+split over two ranks. What cannot be sharded (a KV head per rank at least) is refused before quantizing, and a
+family these stages have no rule for before any stage."""
 
 from __future__ import annotations
 
@@ -24,16 +25,40 @@ from infer.pipeline.shard import SHARDABLE, ShardError, check_tp
 from infer.pipeline.stage import BuildError
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.model import load_model
+from infer.runtime.model.families import FAMILIES
 from infer.runtime.model.quant_linear import INT4_CPU_BACKENDS, disabled_backends, quantized_modules
-from test_families import CASES, COMMON, CONTEXT, INIT, ORIGINAL, PROMPT, VOCAB, _build, _checkpoint, _config
+from test_families import (CASES, COMMON, CONTEXT, INIT, ORIGINAL, PROMPT, VOCAB, WINDOW, _build, _checkpoint,
+                           _tokenizer)
+from test_families import _config as _family_config
+from test_gemma3 import _model as _gemma3_model
+
+GEMMA3 = "gemma3"  # this file's Gemma 3 case (tests/test_gemma3.py's has one KV head, Gemma 3 1B's: no tp=2)
+
+
+def _config(case: str) -> transformers.PretrainedConfig:
+    """tests/test_families.py's config of ``case``, or Gemma 3's text model with two KV heads (one per rank):
+    a sliding layer (default rope of theta 1e4, the window shorter than the inputs) and a full one (linear
+    scaling, theta 1e6), so a rank turning q/k with the wrong rotary shows; query_pre_attn_scalar apart from
+    head_dim; a final soft-cap low enough to bend the logits at _source's weights (Gemma 3 has no attention
+    soft-cap: runtime/model/families.py refuses one)."""
+    if case != GEMMA3:
+        return _family_config(case)
+    return transformers.Gemma3TextConfig(
+        **COMMON, head_dim=32, query_pre_attn_scalar=24, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+
+
 
 # W4A16 in groups of 16 (divides every layer's input, and each rank's half of o_proj's and down_proj's), a few
 # seconds of calibration; the LM head stays float (the layer that dominates a tiny model's logits)
 QUANT = ("quant.bits=4", "quant.group_size=16", "quant.ignore=[lm_head]", "calib.samples=4",
          "calib.seq_len=32")
-# the families the quantize and shard stages take (every case of tests/test_families.py); Gemma's case has one KV
+# the families the quantize and shard stages take (every case of tests/test_families.py, and Gemma 3's); Gemma's
+# case has one KV
 # head (Gemma 2B's): it cannot be split over two ranks (test_tp_that_splits_a_kv_head_is_refused_...)
-QUANT_CASES = [c for c in CASES if _config(c).model_type in QUANTIZABLE]
+QUANT_CASES = [c for c in [*CASES, GEMMA3] if _config(c).model_type in QUANTIZABLE]
 TP_CASES = [c for c in QUANT_CASES if _config(c).model_type in SHARDABLE and _config(c).num_key_value_heads % 2 == 0]
 NEW_TOKENS = 24
 
@@ -46,13 +71,19 @@ def _quant(tmp_path, method: str = "gptq") -> list[str]:
 
 
 def _source(tmp_path, case: str) -> transformers.PreTrainedModel:
-    """tests/test_families.py's checkpoint of ``case`` at its weights' scale (Gemma 2's bends its soft-caps)."""
-    return _checkpoint(tmp_path / "src", case, INIT.get(case, 0.02))
+    """tests/test_families.py's checkpoint of ``case`` at its weights' scale (Gemma 2's bends its soft-caps), or
+    Gemma 3's (tests/test_gemma3.py's random weights: std 0.1, norms around 0) under ``_config``."""
+    if case != GEMMA3:
+        return _checkpoint(tmp_path / "src", case, INIT.get(case, 0.02))
+    model = _gemma3_model(_config(case), 0.1)
+    model.save_pretrained(tmp_path / "src")
+    _tokenizer(tmp_path / "src")
+    return model
 
 
 def _reference(artifact) -> transformers.PreTrainedModel:
-    """transformers on a written checkpoint, computing its family as the runtime does (Gemma 2: eager attention,
-    the one that soft-caps)."""
+    """transformers on a written checkpoint, computing its family as the runtime does (Gemma 2 and 3: eager
+    attention, the one that soft-caps)."""
     config = json.loads((artifact / "config.json").read_text())
     return transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32,
                                                              **hf_attention(config)).eval()
@@ -143,9 +174,9 @@ def test_tp2_build_matches_transformers(tmp_path, case):
         assert layout[attn + "qkv_proj.weight"]["parts"] == [cfg.num_attention_heads * d,
                                                                cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
         assert layout["model.layers.0.mlp.gate_up_proj.weight"]["parts"] == [cfg.intermediate_size] * 2
-    if cfg.model_type == "qwen3":
+    if cfg.model_type in ("qwen3", "gemma3_text"):  # per head: every rank's heads take the same weights
         assert layout[attn + "q_norm.weight"]["split"] == layout[attn + "k_norm.weight"]["split"] == "replicated"
-    if cfg.model_type == "gemma2":  # sandwich norms: every rank applies them to the summed output
+    if cfg.model_type in ("gemma2", "gemma3_text"):  # sandwich norms: every rank applies them to the summed output
         for norm in ("post_attention", "pre_feedforward", "post_feedforward"):
             assert layout[f"model.layers.1.{norm}_layernorm.weight"]["split"] == "replicated"
 
@@ -160,13 +191,13 @@ def test_tp2_build_matches_transformers(tmp_path, case):
 
 
 @pytest.mark.parametrize("case,symmetric", [("phi4-partial", False), ("llama-bias-dynamic", True), ("qwen3", True),
-                                            ("gemma2", True)])
+                                            ("gemma2", True), (GEMMA3, True)])
 def test_w4a16_tp2_matches_transformers_on_the_quantized_checkpoint(tmp_path, monkeypatch, case, symmetric):
     """Quantized, then sharded: Phi-4-mini's fused int4 qkv_proj (values, group scales, asymmetric zero points
     packed 8 to a word along the output) split per part with its partial rotary reordered per rank, Llama's
     row-parallel biases counted once, Qwen3's q/k norms, Gemma 2's soft-caps, scale, sandwich norms and windows on
-    every rank. Every rank dequantizes (int4 kernels off), so the
-    float32 logits must equal transformers' on the checkpoint the quantize stage wrote, up to the order of sums."""
+    every rank, Gemma 3's (1 + weight) q/k norms and its sliding layers' own rotary. Every rank dequantizes (int4
+    kernels off), so the float32 logits must equal transformers' on the checkpoint the quantize stage wrote, up to the order of sums."""
     _source(tmp_path, case)
     quant = [*_quant(tmp_path), f"quant.symmetric={str(symmetric).lower()}"]
     assert _build(tmp_path, tmp_path / "src", "float32", *quant) == tmp_path / "out"
@@ -231,62 +262,44 @@ def test_tp_that_splits_a_kv_head_is_refused_before_quantizing(tmp_path, case, t
     assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"  # a local source: before the load stage
 
 
-def _gemma3_text(path) -> dict:
-    """A Gemma 3 text config.json (no weights: the refusals come before anything reads them)."""
-    cfg = transformers.Gemma3TextConfig(**COMMON, head_dim=32, sliding_window=24)
-    cfg.architectures = ["Gemma3ForCausalLM"]
-    cfg.save_pretrained(path)
-    return cfg.to_dict()
-
-
 def test_a_family_the_stages_have_no_rule_for_is_refused_naming_the_known_ones(tmp_path):
-    """gemma3_text (served or not yet by runtime/model/families.py) has not been checked quantized or sharded:
-    both stages refuse it by name, whatever the runtime takes."""
-    cfg = _gemma3_text(tmp_path)
-    assert "gemma3_text" not in QUANTIZABLE + SHARDABLE
+    """Every family the runtime serves quantizes and shards (this file's cases); another model_type (Gemma 3's
+    multimodal checkpoint, which the runtime refuses too) is refused by both stages by name."""
+    assert set(QUANTIZABLE) == set(SHARDABLE) == set(FAMILIES)
+    cfg = {**_config("gemma2").to_dict(), "model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]}
     with pytest.raises(ShardError, match=r"parallel.tp=2: sharding knows model_type llama, qwen2, qwen3, mistral, "
-                                         r"phi3, gemma, gemma2, not Gemma3ForCausalLM \(model_type 'gemma3_text'\); "
-                                         r"build it with parallel.tp=1"):
+                                         r"phi3, gemma, gemma2, gemma3_text, not Gemma3ForConditionalGeneration "
+                                         r"\(model_type 'gemma3'\); build it with parallel.tp=1"):
         check_tp(cfg, 2)
     recipe = compose_recipe([f"model.source={tmp_path}", *_quant(tmp_path)])
-    with pytest.raises(QuantError, match=r"quant.method=gptq: model_type 'gemma3_text' is not supported; "
-                                         r"supported: llama, qwen2, qwen3, mistral, phi3, gemma, gemma2; build it "
+    with pytest.raises(QuantError, match=r"quant.method=gptq: model_type 'gemma3' is not supported; supported: "
+                                         r"llama, qwen2, qwen3, mistral, phi3, gemma, gemma2, gemma3_text; build it "
                                          r"with quant=none"):
         quant_plan(recipe, cfg)
 
 
-@pytest.mark.parametrize("what", ["quant", "tp"])
-def test_gemma3_text_is_refused_by_quantize_and_shard_before_any_stage(tmp_path, what):
-    """A quantized or sharded Gemma 3 build stops before any stage, naming the family (runtime/model/families.py's
-    refusal while it serves no gemma3_text, the stages' own once it does)."""
-    _gemma3_text(tmp_path / "src")
-    extra = _quant(tmp_path) if what == "quant" else ["parallel.tp=2"]
-    with pytest.raises(BuildError, match=r"model_type 'gemma3_text'"):
-        _build(tmp_path, tmp_path / "src", "float32", *extra)
-    assert not (tmp_path / "out").exists()
-    assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"
-
-
-@pytest.mark.parametrize("case,method", [("gemma", "awq"), ("gemma", "w8a8"), ("gemma2", "awq"), ("gemma2", "w8a8")])
+@pytest.mark.parametrize("case,method", [(c, m) for c in ("gemma", "gemma2", GEMMA3) for m in ("awq", "w8a8")])
 def test_gemma_refuses_smoothing_methods_before_calibrating(tmp_path, case, method):
     """AWQ and SmoothQuant fold scales into a norm's weight, which Gemma multiplies by as (1 + weight)."""
     _source(tmp_path, case)
+    model_type = _config(case).model_type
     with pytest.raises(BuildError, match=rf"quant.method={method}: .* folds its scales into the RMSNorm weights, "
-                                         rf"which model_type '{case}' applies as \(1 \+ weight\).*use "
+                                         rf"which model_type '{model_type}' applies as \(1 \+ weight\).*use "
                                          r"quant.method=gptq"):
         _build(tmp_path, tmp_path / "src", "float32", f"quant.method={method}", "quant.bits=4" if method == "awq"
                else "quant.bits=8", "quant.group_size=16" if method == "awq" else "quant.group_size=-1")
     assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"  # a local source: before the load stage
 
 
-def test_quantize_gives_back_one_plus_norms_as_they_were(tmp_path):
+@pytest.mark.parametrize("case,per_layer", [("gemma2", 4), (GEMMA3, 6)])
+def test_quantize_gives_back_one_plus_norms_as_they_were(tmp_path, case, per_layer):
     """llm-compressor's oneshot turns every (1 + weight) norm into a plain one and back in the checkpoint's dtype
     (modeling/offset_norm.py): in bfloat16 that rounds a weight to 1 + weight's coarser steps. GPTQ smooths
-    nothing, so the quantize stage writes the source's norms back, bit for bit."""
-    _source(tmp_path, "gemma2")
+    nothing, so the quantize stage writes the source's norms back, bit for bit (Gemma 3's q/k norms too)."""
+    _source(tmp_path, case)
     artifact = _build(tmp_path, tmp_path / "src", "bfloat16", *_quant(tmp_path))
     src, out = load_file(tmp_path / "src" / "model.safetensors"), load_file(artifact / "model.safetensors")
     norms = [n for n in src if n.endswith("norm.weight")]
     moved = {n: (out[n].float() - src[n].to(torch.bfloat16).float()).abs().max().item() for n in norms}
     print("norm weights moved by the quantize stage:", moved)
-    assert len(norms) == 4 * 2 + 1 and not any(moved.values())
+    assert len(norms) == per_layer * 2 + 1 and not any(moved.values())

@@ -10,7 +10,9 @@ ranks: ``RowParallel`` wraps them and all-reduces their output, with a bias adde
 Every family's rank model is this one (Qwen3's per-head q/k norms and a partial rotary's per-head dim order
 act within a head, so whole heads need nothing more; Gemma 2's attention soft-cap and query_pre_attn_scalar
 scale act per score, its sandwich norms on the summed o_proj and down_proj outputs, its windows per layer
-index, so ``rank_config`` keeps them as they are). The C++ step (runtime/model/fused_step.py) runs all
+index, so ``rank_config`` keeps them as they are; Gemma 3's too, with its per-head (1 + weight) q/k norms and the
+sliding layers' own rotary, ``Transformer.rotary_local``, which the loader builds from the rank config's
+``local_rope_*`` as for the single model). The C++ step (runtime/model/fused_step.py) runs all
 layers in one call with no all-reduce between them, so a rank's model runs the Python layer loop.
 """
 
