@@ -540,13 +540,15 @@ def test_fused_projections_shard_per_part_and_merge_back(tmp_path):
     _assert_same(src, load_file(tmp_path / "merged" / "model.safetensors"))
 
 
-def test_gemma2_sandwich_norms_are_replicated_and_merge_back(tmp_path):
+@pytest.mark.parametrize("family,per_layer", [("gemma2", 4), ("gemma3_text", 6)])
+def test_gemma_sandwich_and_qk_norms_are_replicated_and_merge_back(tmp_path, family, per_layer):
     """Gemma 2's four norms a layer (post_attention_layernorm norms the attention output, pre/post_feedforward
-    the MLP's input and output) are whole in every rank; merge gives every tensor back."""
-    cfg = transformers.Gemma2Config(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=256)
-    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    the MLP's input and output), and Gemma 3's per-head q/k norms besides, are whole in every rank; merge gives
+    every tensor back."""
+    sizes = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+    cfg = (transformers.Gemma2Config if family == "gemma2" else transformers.Gemma3TextConfig)(**sizes)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():  # Gemma stores weight - 1: random, so a mixed-up norm shows
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -558,7 +560,7 @@ def test_gemma2_sandwich_norms_are_replicated_and_merge_back(tmp_path):
     t = json.loads((tmp_path / "tp" / LAYOUT_FILE).read_text())["tensors"]
     src = _tensors(tmp_path / "src")
     norms = [n for n in src if "norm" in n]
-    assert len(norms) == 4 * 2 + 1 and all(t[n]["split"] == "replicated" for n in norms)
+    assert len(norms) == per_layer * 2 + 1 and all(t[n]["split"] == "replicated" for n in norms)
     for r in range(2):
         rank = load_file(tmp_path / "tp" / f"rank{r}.safetensors")
         assert all(torch.equal(rank[n], src[n]) for n in norms)
