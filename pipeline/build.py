@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from infer.runtime.artifact import FORMAT_VERSION
+from infer.runtime.artifact import CONFIG, FORMAT_VERSION
 from infer.runtime.model.families import UnsupportedConfig, check_config
 
 from . import gate, kv_cache, tune
@@ -56,7 +56,7 @@ def check_model(directory: Path, cfg: BuildConfig | None = None) -> None:
     nothing is built that infer-run would refuse; given the recipe, also whether its parallel.tp and
     quantization scheme take this family (the checks the shard and quantize stages make again after the
     load stage, for sources without a config.json yet). TensorRT-LLM's config.json is checked once merged."""
-    path = Path(directory).expanduser() / "config.json"
+    path = Path(directory).expanduser() / CONFIG
     if not path.is_file():
         return
     config = json.loads(path.read_text())
@@ -84,7 +84,7 @@ def check_shardable(cfg: BuildConfig, loaded: StageResult) -> None:
     q = cfg.quant
     group = q.group_size if q.method != QuantMethod.none and q.group_size != -1 else None
     try:
-        check_tp(json.loads((loaded.path / "config.json").read_text()), cfg.parallel.tp, group)
+        check_tp(json.loads((loaded.path / CONFIG).read_text()), cfg.parallel.tp, group)
     except ShardError as e:
         raise BuildError(str(e)) from None
 
@@ -103,7 +103,7 @@ def quantize_stage(cfg: BuildConfig, cache: Path, loaded: StageResult, env: dict
     from .quantize import QuantError, calibration_windows, plan, quantize
 
     try:
-        qplan = plan(cfg, json.loads((loaded.path / "config.json").read_text()))
+        qplan = plan(cfg, json.loads((loaded.path / CONFIG).read_text()))
         windows, calib = calibration_windows(cfg, loaded.path) if qplan.needs_calibration else ([], None)
     except QuantError as e:
         raise BuildError(str(e)) from None

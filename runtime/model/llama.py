@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..artifact import CONFIG
 from ..engine.attention import attention
 from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act, layer_types, layer_windows,
                        partial_rotary_factor, rope_parameters, softcaps)
@@ -144,7 +145,7 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelConfig":
-        return cls.from_hf(json.loads((Path(path) / "config.json").read_text()))
+        return cls.from_hf(json.loads((Path(path) / CONFIG).read_text()))
 
 
 def _scaling(rope: dict, cfg: dict) -> dict | None:

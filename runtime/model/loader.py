@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..artifact import INDEX, ArtifactError, inside
+from ..artifact import CONFIG, INDEX, ArtifactError, inside
 from .compressed_tensors import QuantWeight, is_quantized_config, read_quantized
 from .llama import ModelConfig, RotaryEmbedding, Transformer, linear_layout, qkv_row_order, rotary_head_order
 
@@ -159,7 +159,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     tensor is read on the CPU and copied there once."""
     path = Path(path)
     device = torch.device(device)
-    hf_config = hf_config if hf_config is not None else json.loads((path / "config.json").read_text())
+    hf_config = hf_config if hf_config is not None else json.loads((path / CONFIG).read_text())
     cfg = config or ModelConfig.from_hf(hf_config)
     hf = read_state_dict(path, files)
     quantized = {}

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, MANIFEST, Artifact, ArtifactError, inside, sha256_file
+from ..artifact import (CONFIG, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, MANIFEST, Artifact, ArtifactError, inside,
+                        sha256_file)
 from ..engine.model_runner import StepInputs
 
 PREFIX = "infer-tp"
@@ -178,7 +179,7 @@ def verify_rank(path: str | Path, rank: int, digest: str, tuning: str = "auto") 
                             f"or version at this path); copy rank 0's artifact there")
     manifest = json.loads(manifest_path.read_text())
     artifact = Artifact(root, manifest, {})
-    files = ["config.json", rank_file(artifact, rank).relative_to(root).as_posix()]
+    files = [CONFIG, rank_file(artifact, rank).relative_to(root).as_posix()]
     if tuning == "auto" and "tuning.json" in manifest.get("files", {}):
         files.append("tuning.json")
     for rel in files:
@@ -187,7 +188,7 @@ def verify_rank(path: str | Path, rank: int, digest: str, tuning: str = "auto") 
         if not file.is_file() or file.stat().st_size != expected.get("size") or sha256_file(file) != expected.get("sha256"):
             raise ArtifactError(f"{file}: missing or differs from the manifest on rank {rank} ({host()}): the file "
                                 f"was changed; restore it from where the artifact was published")
-    return Artifact(root, manifest, json.loads((root / "config.json").read_text()))
+    return Artifact(root, manifest, json.loads((root / CONFIG).read_text()))
 
 
 # ---------------------------------------------------------------------------- the messages
