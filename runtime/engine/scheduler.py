@@ -19,8 +19,8 @@ tenant's served tokens (prompt and output, divided by its weight) are counted, a
 request of the tenant served least joins first (the virtual token counter of Sheng et al., "Fairness
 in Serving Large Language Models", OSDI 2024); a tenant arriving after idling starts level with the
 least-served active one, so idle time banks no credit, and one arriving at an idle engine starts level
-with the most served, so tokens served while the others were idle are no debt. A tenant's ``max_running`` caps its running
-sequences. The preemption victim is the worst priority, newest first. Fair share only works when a
+with the most served, so tokens served while the others were idle are no debt. A tenant's
+``max_running`` caps its running sequences. The preemption victim is the worst priority, newest first. Fair share only works when a
 step cannot be filled by one tenant's long prompt: ``prompt_tokens_per_step`` caps the prompt
 tokens a step computes (running chunks included), so one tenant's 1,024-token prompts are cut into
 chunks and another's decodes and short prompts run beside them every step. Fair share decides who
