@@ -19,7 +19,6 @@ import transformers
 from conftest import greedy_gaps
 from test_families import COMMON, VOCAB, _build, _tokenizer
 from infer.kernels import isa, step_layers
-from infer.pipeline.build import BuildError
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.model import ModelConfig, load_model
 from infer.runtime.model.families import UnsupportedConfig, check_config
@@ -223,19 +222,6 @@ def test_gemma3_multimodal_is_refused_naming_the_text_model():
                                                 r"its image tokens are not implemented; supported: .*gemma3_text: "
                                                 r"Gemma 3's text model, Gemma3ForCausalLM"):
         check_config(cfg)
-
-
-@pytest.mark.parametrize("what,match", [
-    ("quant", r"quant.method=gptq: model_type 'gemma3_text' is not supported; supported: llama, .*build it with "
-              r"quant=none"),
-    ("tp", r"parallel.tp=2: sharding knows model_type .*model_type 'gemma3_text'.*parallel.tp=1"),
-])
-def test_gemma3_quantized_or_sharded_build_is_refused_before_any_stage(tmp_path, what, match):
-    _checkpoint(tmp_path / "src")
-    extra = ["quant.method=gptq", "quant.bits=4", "quant.group_size=16"] if what == "quant" else ["parallel.tp=2"]
-    with pytest.raises(BuildError, match=match):
-        _build(tmp_path, tmp_path / "src", "float32", *extra)
-    assert not list((tmp_path / "cache").glob("stages/*/*")), "a stage ran"
 
 
 @pytest.mark.skipif(not isa.at_least("avx2"), reason="this CPU has no AVX2 + FMA: no C++ step to decline")
