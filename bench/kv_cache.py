@@ -8,6 +8,9 @@
 3. Capacity: the blocks the same --kv-cache-memory holds.
 4. Optionally (--kld-windows N) the mean KLD of the int8 cache against the bfloat16 cache over N held-out
    2048-token windows (pipeline/kv_cache.py's measurement, the build's gate).
+5. Optionally (--chat N) greedy answers to N chat prompts (the eval's shipped set) with the float32 model
+   and cache, the bfloat16 model and cache, and the bfloat16 model on the int8 cache: how far the int8
+   cache's answers are from bfloat16's, beside how far bfloat16's are from float32's.
 
     flock -x /tmp/infer-cpu.lock python -m infer.bench.kv_cache ARTIFACT [--rounds 5] [--kld-windows 2]
 """
@@ -65,8 +68,9 @@ def kernel_rows(rounds: int, context: int, batches: tuple[int, ...], gen: torch.
         caches = {"bfloat16": (k16, v16), "int8": (k8, v8)}
         for name, (k, v) in caches.items():  # checked once, on the first sequence
             got = cpu_attention.paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], scale)
-            kr, vr = (k, v) if name == "bfloat16" else (cpu_attention.dequantize(k), cpu_attention.dequantize(v))
-            err = (got.double() - _reference(q[:1], kr, vr, tables[:1], lens[:1])).abs().max().item()
+            if name != "bfloat16":  # the int8 keys turned back (kernels/cpu_attention.py)
+                k, v = cpu_attention.dequantize(k, keys=True), cpu_attention.dequantize(v)
+            err = (got.double() - _reference(q[:1], k, v, tables[:1], lens[:1])).abs().max().item()
             if err > 2e-2:
                 raise SystemExit(f"{name} decode kernel off by {err} from float64: not timing a wrong kernel")
         times = {name: [] for name in caches}
@@ -127,6 +131,24 @@ def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.
                                                                                        "block_bytes": block_bytes}
 
 
+def chat_agreement(artifact: Path, prompts: int, max_tokens: int) -> dict:
+    """Greedy chat answers (the eval's shipped prompts) of three engines run one after another: float32
+    model and cache, bfloat16 model and cache, bfloat16 model on the int8 cache; each pair's agreement
+    (the shared prefix's share of the longer answer, eval/metrics.py)."""
+    from infer.eval.metrics import greedy_agreement, greedy_outputs, load_prompts
+    from infer.runtime import LLM
+
+    texts = load_prompts("default", prompts)
+    answers = {}
+    for name, dtype, kv in (("float32", "float32", "float32"), ("bfloat16", "bfloat16", "bfloat16"),
+                            ("int8", "bfloat16", "int8")):
+        with LLM(artifact, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=256 << 20) as llm:
+            answers[name] = greedy_outputs(llm, texts, max_tokens)
+    pairs = {"bfloat16 vs float32": ("bfloat16", "float32"), "int8 vs bfloat16": ("int8", "bfloat16"),
+             "int8 vs float32": ("int8", "float32")}
+    return {pair: greedy_agreement(answers[a], answers[b]) for pair, (a, b) in pairs.items()}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", type=Path)
@@ -134,6 +156,8 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--kld-windows", type=int, default=0, help="2048-token windows for the KLD (0: skip)")
+    p.add_argument("--chat", type=int, default=0, help="chat prompts for greedy agreement (0: skip)")
+    p.add_argument("--chat-tokens", type=int, default=128)
     p.add_argument("--json", type=Path, default=RESULTS / "kv_cache.json")
     args = p.parse_args(argv)
     seed = int(time.time())
@@ -157,6 +181,11 @@ def main(argv=None) -> dict:
         windows = eval_windows(args.artifact, "pydoc_topics", 2048, args.kld_windows)
         result["kld"] = compare_caches(args.artifact, windows)
         print("int8 vs bfloat16 cache:", {k: result["kld"][k] for k in ("tokens", "mean_kld", "p99_kld", "top1_agreement")})
+    if args.chat:
+        result["chat"] = chat_agreement(args.artifact, args.chat, args.chat_tokens)
+        for pair, r in result["chat"].items():
+            print(f"greedy chat answers, {pair}: agreement {r['greedy_agreement']:.3f}, exact "
+                  f"{r['greedy_exact_match']:.3f} over {r['prompts']} prompts")
     print(f"capacity at --kv-cache-memory 1G: {tokens} tokens ({result['capacity']['int8_x']}x)")
     print("kernels:", engine["kernels"])
     save_json(result, args.json)

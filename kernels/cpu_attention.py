@@ -47,10 +47,25 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     _module().store_kv_(k_cache, v_cache, slots, k, v)
 
 
-def dequantize(cache: torch.Tensor) -> torch.Tensor:
-    """An int8 cache [..., head_dim + 2] as float32 [..., head_dim]: values times their row's bfloat16 scale."""
+def hadamard(head_dim: int) -> torch.Tensor:
+    """The unnormalized Walsh-Hadamard matrix [head_dim, head_dim] that turns an int8 cache's keys: blocks
+    of the largest power of two dividing head_dim on the diagonal (paged_attention.cpp's hadamard_block)."""
+    n = head_dim & -head_dim
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return torch.block_diag(*[h] * (head_dim // n))
+
+
+def dequantize(cache: torch.Tensor, keys: bool = False) -> torch.Tensor:
+    """An int8 cache [..., head_dim + 2] as float32 [..., head_dim]: values times their row's bfloat16 scale;
+    ``keys``: a key cache, its rows turned back (k = H k' / block: H is symmetric and H H = block I)."""
     scale = cache[..., -2:].contiguous().view(torch.bfloat16).float()
-    return cache[..., :-2].float() * scale
+    rows = cache[..., :-2].float() * scale
+    if not keys:
+        return rows
+    head_dim = rows.shape[-1]
+    return rows @ hadamard(head_dim) / (head_dim & -head_dim)
 
 
 def _module():

@@ -24,7 +24,7 @@ from .config import BuildConfig
 from .stage import StageResult, content_key, link_tree, run_stage
 
 log = logging.getLogger("infer.build")
-KV_VERSION = 1
+KV_VERSION = 2  # 2: keys stored turned (paged_attention.cpp hadamard_block): earlier measurements are stale
 CANDIDATES = ("int8",)  # narrowest first; the 16-bit cache is the reference
 CHUNK = 256  # prompt tokens a step, as a chunked prefill runs them
 

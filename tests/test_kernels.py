@@ -341,7 +341,7 @@ def paged_case(case: str, heads: int, kv_heads: int, head_dim: int):
     if dtype == "int8":
         from test_kv_quant import quantized_paged
         q, k, v, tables, lens = quantized_paged(7, heads, kv_heads, head_dim)
-        return q, k, v, tables, lens, cpu_attention.dequantize(k), cpu_attention.dequantize(v), path, gen
+        return q, k, v, tables, lens, cpu_attention.dequantize(k, keys=True), cpu_attention.dequantize(v), path, gen
     q, k, v, tables, lens = random_paged(7, heads, kv_heads, head_dim, getattr(torch, dtype))
     return q, k, v, tables, lens, k, v, path, gen
 
