@@ -174,6 +174,18 @@ def step_logprobs(llm, prompts, params, fused_step) -> tuple[list[list[int]], to
     return [o.token_ids for o in outs], torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs])
 
 
+def hf_greedy(ref, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (``ref``: a causal LM), ``max_tokens`` each, no EOS."""
+    out = []
+    for prompt in prompts:
+        x = torch.tensor([prompt])
+        with torch.no_grad():
+            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, len(prompt):].tolist())
+    return out
+
+
 def greedy_gaps(llm, ref, prompts, max_tokens: int = 16) -> list[tuple[float, float]]:
     """Greedy-decodes ``prompts`` through the engine and scores each answer with the float reference model
     ``ref`` (transformers): per prompt, (the worst gap between the reference's best logprob and the chosen

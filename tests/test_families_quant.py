@@ -18,6 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
+from conftest import hf_greedy
 from infer.pipeline.config import compose_recipe
 from infer.pipeline.quantize import ONE_PLUS_NORMS, QUANTIZABLE, QuantError, hf_attention
 from infer.pipeline.quantize import plan as quant_plan
@@ -91,17 +92,6 @@ def _reference(artifact) -> transformers.PreTrainedModel:
 
 def _ids() -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, random.randint(ORIGINAL + 20, CONTEXT)))
-
-
-def _greedy(ref, prompts: list[list[int]]) -> list[list[int]]:
-    out = []
-    for prompt in prompts:
-        x = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(prompt):].tolist())
-    return out
 
 
 def _served(artifact, ids: torch.Tensor, prompts: list[list[int]]) -> tuple[torch.Tensor, list[list[int]]]:
@@ -187,7 +177,7 @@ def test_tp2_build_matches_transformers(tmp_path, case):
     err, scale = (got - want).abs().max().item(), want.abs().max().item()
     print(case, "tp=2 float32: length", ids.shape[1], "max |logit diff|", err, "logit scale", scale)
     assert err < 1e-5 * max(1.0, scale), err  # measured: 2e-7 to 5e-7, gemma2 3e-6 at scale 2.8 (the sums' order)
-    assert tokens == _greedy(ref, prompts)
+    assert tokens == hf_greedy(ref, prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("case,symmetric", [("phi4-partial", False), ("llama-bias-dynamic", True), ("qwen3", True),
@@ -222,7 +212,7 @@ def test_w4a16_tp2_matches_transformers_on_the_quantized_checkpoint(tmp_path, mo
     err, scale = (got - want).abs().max().item(), want.abs().max().item()
     print(case, "W4A16 tp=2, dequantized in float32: length", ids.shape[1], "max |logit diff|", err, "scale", scale)
     assert err < 1e-5 * max(1.0, scale), err
-    assert tokens == _greedy(ref, prompts)
+    assert tokens == hf_greedy(ref, prompts, NEW_TOKENS)
 
 
 def test_bf16_tp2_ranks_decode_with_their_sums(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import greedy_gaps
+from conftest import greedy_gaps, hf_greedy
 from test_families import COMMON, VOCAB, _build, _tokenizer
 from infer.kernels import isa, step_layers
 from infer.runtime import LLM, SamplingParams
@@ -107,13 +107,7 @@ def test_gemma3_builds_and_matches_transformers(tmp_path):
     blocks = 16  # three sequences of PROMPT + NEW_TOKENS need 27 (full layers keep every block): some must wait
     shared = [random.randrange(VOCAB) for _ in range(48)]
     prompts = [shared + [random.randrange(VOCAB) for _ in range(PROMPT - 48)] for _ in range(3)]
-    wants = []
-    for prompt in prompts:
-        x = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-        wants.append(gen[0, len(prompt):].tolist())
+    wants = hf_greedy(ref, prompts, NEW_TOKENS)
     for kernels in ("cpp", "torch"):
         llm = LLM(artifact, max_num_batched_tokens=48, max_num_seqs=3, kv_cache_memory=blocks * per_block,
                   kernels=kernels)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import step_logprobs
+from conftest import hf_greedy, step_logprobs
 from test_families import COMMON, VOCAB, _build, _tokenizer
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.engine.block_manager import GIVEN_BACK
@@ -88,12 +88,7 @@ def test_windowed_model_matches_transformers(tmp_path, case):
         prompts = [shared + [random.randrange(VOCAB) for _ in range(PROMPT - 64)] for _ in range(3)]
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
         outs = llm.generate(prompts, params)
-        for prompt, out in zip(prompts, outs):
-            x = torch.tensor([prompt])
-            with torch.no_grad():
-                gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                   eos_token_id=None, pad_token_id=0)
-            assert out.token_ids == gen[0, len(prompt):].tolist(), (case, kernels)
+        assert [o.token_ids for o in outs] == hf_greedy(ref, prompts, NEW_TOKENS), (case, kernels)
         assert engine.block_manager.num_free_blocks == engine.num_blocks
         assert engine.block_manager.prefix_hits > 0, (case, kernels)
         if case == "qwen2-mixed":
@@ -189,9 +184,4 @@ def test_tensor_parallel_ranks_attend_within_the_window(tmp_path):
     with LLM(artifact, dtype="float32", kv_cache_memory=8 << 20, tuning="off", max_num_batched_tokens=48) as llm:
         assert llm.engine.window == WINDOW and len(llm.engine.ranks.procs) == 1
         outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
-        x = torch.tensor([prompt])
-        with torch.no_grad():
-            gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-        assert out.token_ids == gen[0, len(prompt):].tolist()
+    assert [o.token_ids for o in outs] == hf_greedy(ref, prompts, 24)
