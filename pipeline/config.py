@@ -120,7 +120,7 @@ class KVCacheSpec:
     # the KV cache format the artifact states (pipeline/kv_cache.py): bfloat16 (the model's own 16-bit cache,
     # nothing measured) | int8 (gated: a failure is a build error) | auto (the narrowest format whose gates pass)
     dtype: str = "bfloat16"
-    mean_kld_max: float = 0.002  # against the 16-bit cache, every position of the windows
+    mean_kld_max: float = 0.002  # against the model's own cache, the model in float32, every position
     top1_agreement_min: float = 0.98
     window_tokens: int = 2048  # held-out windows (eval.data) this long: long contexts, where quantized keys tell
     windows: int = 2

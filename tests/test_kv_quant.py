@@ -196,7 +196,11 @@ def test_kv_stage_measures_int8_against_the_16bit_cache_and_states_the_choice(em
     from infer.pipeline.stage import StageResult
     from infer.runtime.artifact import MANIFEST, Artifact
 
-    packaged = StageResult("package", "k" * 64, embedded_artifact, False, 0.0, {})
+    # the stage it follows is a stage directory: the artifact's files and the stage's _stage.json record
+    from infer.pipeline.stage import DONE, link_tree
+    stage_dir = link_tree(embedded_artifact, tmp_path / "tune-stage", with_manifest=True)
+    (stage_dir / DONE).write_text("{}")
+    packaged = StageResult("tune", "k" * 64, stage_dir, False, 0.0, {})
     loose = replace(BuildConfig(), kv_cache=KVCacheSpec(dtype="auto", window_tokens=128, windows=1, mean_kld_max=1.0,
                                                          top1_agreement_min=0.0))
     def manifest(stage):
