@@ -9,6 +9,10 @@
 4. Optionally (--kld-windows N) the mean KLD of the int8 cache against the model's own cache over N
    held-out 2048-token windows (pipeline/kv_cache.py's measurement), the model in float32 (the build's
    gate) and in bfloat16 (as served).
+6. Optionally (--long N) long-prompt serving: N requests of 1,536 prompt tokens (held-out text, no shared
+   prefixes) and 256 output tokens submitted at once, --kv-cache-memory sized so the bfloat16 cache holds
+   N/2 of them whole: the most sequences running at once and the decode-phase output tok/s (decode-only
+   steps, from the engine's step records), one engine per cache, one round.
 5. Optionally (--chat N) greedy answers to N chat prompts (the eval's shipped set) with the float32 model
    and cache, the bfloat16 model and cache, and the bfloat16 model on the int8 cache: how far the int8
    cache's answers are from bfloat16's, beside how far bfloat16's are from float32's.
@@ -132,6 +136,51 @@ def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.
                                                                                        "block_bytes": block_bytes}
 
 
+def long_prompt_serving(artifact: Path, requests: int, prompt_tokens: int = 1536, output_tokens: int = 256) -> dict:
+    """``requests`` long prompts at once through one engine per cache format, the memory the bfloat16 cache
+    needs for half of them: the most sequences running in a step, and output tok/s over the decode-only
+    steps (StepRecord.kind) and over the whole run."""
+    from infer.pipeline.kv_cache import eval_windows
+    from infer.runtime import LLM, SamplingParams
+    from infer.runtime.engine.model_runner import kv_bytes_per_block
+
+    prompts = eval_windows(artifact, "pydoc_topics", prompt_tokens, requests)
+    if len(prompts) < requests:
+        raise SystemExit(f"--long {requests}: the held-out text gives {len(prompts)} prompts of {prompt_tokens} tokens")
+    params = SamplingParams(temperature=0, max_tokens=output_tokens, ignore_eos=True)
+    out = {}
+    memory = None
+    for name in ("bfloat16", "int8"):
+        llm = LLM(artifact, dtype="bfloat16", kv_cache_dtype=name, max_num_seqs=requests,
+                  enable_prefix_caching=False, kv_cache_memory=memory or 64 << 20)
+        engine = llm.engine
+        if memory is None:  # half the requests whole in the bfloat16 cache, then the same bytes for int8
+            bs = engine.config.block_size
+            per_seq = -(-(prompt_tokens + output_tokens) // bs) * kv_bytes_per_block(engine.model, bs,
+                                                                                    engine.model.dtype)
+            memory = requests // 2 * per_seq
+            llm.close()
+            llm = LLM(artifact, dtype="bfloat16", kv_cache_dtype=name, max_num_seqs=requests,
+                      enable_prefix_caching=False, kv_cache_memory=memory)
+            engine = llm.engine
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        wall = time.perf_counter() - t0
+        records = list(engine.step_records)
+        decode = [r for r in records if r.kind == "decode"]
+        decode_s = sum(r.dur_ms for r in decode) / 1e3
+        out[name] = {"kv_cache_memory": memory, "blocks": engine.num_blocks,
+                     "max_running": max(r.running for r in records),
+                     "decode_tok_s": round(sum(r.decode_rows for r in decode) / decode_s, 2) if decode_s else None,
+                     "output_tok_s": round(sum(len(o.token_ids) for o in outs) / wall, 2), "wall_s": round(wall, 1),
+                     "steps": len(records), "preemptions": engine.scheduler.num_preemptions}
+        llm.close()
+    for key in ("max_running", "decode_tok_s", "output_tok_s"):
+        b, q = out["bfloat16"][key], out["int8"][key]
+        out.setdefault("int8_x", {})[key] = round(q / b, 3) if b and q else None
+    return out
+
+
 def chat_agreement(artifact: Path, prompts: int, max_tokens: int) -> dict:
     """Greedy chat answers (the eval's shipped prompts) of three engines run one after another: float32
     model and cache, bfloat16 model and cache, bfloat16 model on the int8 cache; each pair's agreement
@@ -160,6 +209,7 @@ def main(argv=None) -> dict:
     p.add_argument("--kld-windows", type=int, default=0, help="2048-token windows for the KLD (0: skip)")
     p.add_argument("--chat", type=int, default=0, help="chat prompts for greedy agreement (0: skip)")
     p.add_argument("--chat-tokens", type=int, default=128)
+    p.add_argument("--long", type=int, default=0, help="long-prompt requests at once (0: skip)")
     p.add_argument("--json", type=Path, default=RESULTS / "kv_cache.json")
     args = p.parse_args(argv)
     seed = int(time.time())
@@ -192,6 +242,12 @@ def main(argv=None) -> dict:
         for pair, r in result["chat"].items():
             print(f"greedy chat answers, {pair}: agreement {r['greedy_agreement']:.3f}, exact "
                   f"{r['greedy_exact_match']:.3f} over {r['prompts']} prompts")
+    if args.long:
+        result["long_prompts"] = long_prompt_serving(args.artifact, args.long)
+        for name, r in result["long_prompts"].items():
+            print(f"long prompts, {name} cache: {r['max_running']} running at most, decode phase "
+                  f"{r['decode_tok_s']} tok/s, {r['output_tok_s']} output tok/s overall, {r['wall_s']} s, "
+                  f"{r['preemptions']} preemptions")
     print(f"capacity at --kv-cache-memory 1G: {tokens} tokens ({result['capacity']['int8_x']}x)")
     print("kernels:", engine["kernels"])
     save_json(result, args.json)
