@@ -32,7 +32,7 @@ from pathlib import Path
 from infer.runtime.artifact import MANIFEST, dump_json, verify_artifact, write_manifest
 
 from .config import BuildConfig, QuantMethod, baseline_config, baseline_dtype, to_plain
-from .stage import DONE, StageResult, content_key, link_tree, run_stage
+from .stage import StageResult, artifact_view, content_key, link_tree, run_stage
 
 log = logging.getLogger("infer.build")
 GATE_VERSION = 1
@@ -257,17 +257,12 @@ def _run(cfg, cache, stages, packaged, recipe, build_unpublished):
               "settings": asdict(settings), "data": texts_digest(texts), "prompts": prompts}
 
     def measure(out: Path) -> dict:
-        # stage directories carry a _stage.json record: evaluate link views that are exact artifacts
-        view = link_tree(packaged.path, out / ".artifact", with_manifest=True)
-        base_view = None
-        if baseline is not None:
-            base_view = view if base_id == "self" else link_tree(baseline, out / ".baseline", with_manifest=True) \
-                if (baseline / DONE).exists() else baseline
-        try:
-            result = evaluate(view, base_view, settings, log=log.info)
-        finally:
-            shutil.rmtree(out / ".artifact", ignore_errors=True)
-            shutil.rmtree(out / ".baseline", ignore_errors=True)
+        with artifact_view(packaged.path, out / ".artifact") as view:
+            if baseline is None or base_id == "self":
+                result = evaluate(view, view if baseline is not None else None, settings, log=log.info)
+            else:
+                with artifact_view(baseline, out / ".baseline") as base_view:
+                    result = evaluate(view, base_view, settings, log=log.info)
         dump_json(result, out / "metrics.json")
         return {"ppl": result["perplexity"]["ppl"], **{k: v for k, v in (result.get("comparison") or {}).items()
                                                         if k in ("mean_kld", "top1_agreement", "ppl_increase_pct")}}

@@ -4,8 +4,8 @@ Recipe ``kv_cache.dtype``: ``bfloat16`` (the default: the model's own 16-bit cac
 ``int8`` (the quantized cache, kernels/csrc/paged_attention.cpp: values and a bfloat16 scale per token and
 KV head, 1.94x the tokens in the same memory for head_dim 64), or ``auto``: the narrowest format whose gates
 pass. A candidate is measured against the model's own cache through the runtime itself (the same model,
-run in float32 so that the format's loss is what shows, two ModelRunners: one per cache), on held-out windows of ``kv_cache.window_tokens`` tokens (the eval text,
-``eval.data``) prefilled in chunks as the engine does: mean KL divergence of the next-token distributions
+run in float32 so that the format's loss is what shows, two ModelRunners: one per cache), on held-out
+windows of ``kv_cache.window_tokens`` tokens (the eval text, ``eval.data``) prefilled in chunks as the engine does: mean KL divergence of the next-token distributions
 and top-1 agreement, at every position (long contexts are where quantized keys could hurt). The choice,
 every candidate's metrics and the capacity gained go into the manifest's ``kv_cache`` section, which
 ``infer-run --kv-cache-dtype auto`` follows. An explicit ``int8`` that fails its gates is a build error.
@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from pathlib import Path
 
 from infer.runtime.artifact import CONFIG, MANIFEST, write_manifest
 
 from .config import BuildConfig
-from .stage import StageResult, content_key, link_tree, run_stage
+from .stage import StageResult, artifact_view, content_key, link_tree, run_stage
 
 log = logging.getLogger("infer.build")
 KV_VERSION = 3  # 2: keys stored turned (paged_attention.cpp hadamard_block); 3: measured in float32
@@ -86,8 +85,7 @@ def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "i
     per_token = kv_bytes_per_block(model, bs, kv_dtype) // bs
     reference_per_token = kv_bytes_per_block(model, bs, torch.bfloat16) // bs  # what the 16-bit cache takes
     return {"dtype": candidate, "reference": str(model.dtype).removeprefix("torch."), "compute": compute,
-            "windows": len(windows),
-            "window_tokens": longest, "tokens": int(kld.numel()), "mean_kld": float(kld.mean()),
+            "windows": len(windows), "window_tokens": longest, "tokens": int(kld.numel()), "mean_kld": float(kld.mean()),
             "p99_kld": float(kld.quantile(0.99)), "max_kld": float(kld.max()), "top1_agreement": float(same.mean()),
             "bytes_per_token": per_token, "reference_bytes_per_token": reference_per_token,
             "capacity_x": round(reference_per_token / per_token, 4), "seconds": round(time.perf_counter() - start_time, 1)}
@@ -114,13 +112,9 @@ def kv_stage(cfg: BuildConfig, cache: Path, packaged: StageResult) -> StageResul
     inputs = {"v": KV_VERSION, "package": packaged.key, "candidates": list(candidates), **settings}
 
     def measure(out: Path) -> dict:
-        # a stage directory carries its _stage.json record: measure a link view that is an exact artifact
-        view = link_tree(packaged.path, out / ".artifact", with_manifest=True)
-        try:
+        with artifact_view(packaged.path, out / ".artifact") as view:
             windows = eval_windows(view, cfg.eval.data, k.window_tokens, k.windows)
             rows = [compare_caches(view, windows, c) for c in candidates]
-        finally:
-            shutil.rmtree(view, ignore_errors=True)
         (out / "kv_cache.json").write_text(json.dumps(rows, indent=1))
         return {"candidates": len(rows)}
 

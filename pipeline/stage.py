@@ -21,9 +21,10 @@ import os
 import shutil
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from tqdm import tqdm
 
@@ -107,6 +108,20 @@ def progress(items: Iterable, desc: str, total: int | None = None):
         yield item
         if i in marks:
             log.info("%s: %d/%d", desc, i, n)
+
+
+@contextmanager
+def artifact_view(path: Path, dst: Path) -> Iterator[Path]:
+    """``path`` as an exact artifact while the block runs: a stage directory carries its _stage.json record,
+    which an artifact's verification refuses, so it is seen through a link view at ``dst`` (removed after);
+    anything else (a published artifact) as it is."""
+    if not (path / DONE).exists():
+        yield path
+        return
+    try:
+        yield link_tree(path, dst, with_manifest=True)
+    finally:
+        shutil.rmtree(dst, ignore_errors=True)
 
 
 def link_tree(src: Path, dst: Path, with_manifest: bool = False) -> Path:
