@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 
 # The test suite (what .ci/run calls).
 test: install
-	$(PY) -m pytest -q --durations=25   # the slowest 25 listed: CI keeps the run under 25 minutes
+	$(PY) -m pytest -q --durations=25   # the slowest 25 listed: the run is meant to stay under 25 minutes
 
 # The main job on the embedded default: build the default recipe, then ask the artifact a question.
 demo: install

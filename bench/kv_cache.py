@@ -9,15 +9,15 @@
 4. Optionally (--kld-windows N) the mean KLD of the int8 cache against the model's own cache over N
    held-out 2048-token windows (pipeline/kv_cache.py's measurement), the model in float32 (the build's
    gate) and in bfloat16 (as served).
+5. Optionally (--chat N) greedy answers to N chat prompts (the eval's shipped set) with the float32 model
+   and cache, the bfloat16 model and cache, and the bfloat16 model on the int8 cache: how far the int8
+   cache's answers are from bfloat16's, beside how far bfloat16's are from float32's.
 6. Optionally (--long N) long-prompt serving: N requests of 1,536 prompt tokens (held-out text, no shared
    prefixes) and 256 output tokens submitted at once, --kv-cache-memory sized so the bfloat16 cache holds
    N/2 of them whole: the most sequences running at once and the decode-phase output tok/s (decode-only
    steps, from the engine's step records), one engine per cache, one round.
-5. Optionally (--chat N) greedy answers to N chat prompts (the eval's shipped set) with the float32 model
-   and cache, the bfloat16 model and cache, and the bfloat16 model on the int8 cache: how far the int8
-   cache's answers are from bfloat16's, beside how far bfloat16's are from float32's.
 
-    flock -x /tmp/infer-cpu.lock python -m infer.bench.kv_cache ARTIFACT [--rounds 5] [--kld-windows 2]
+    flock -x /tmp/infer-cpu.lock python -m infer.bench.kv_cache ARTIFACT [--rounds 5] [--kld-windows 2] [--chat 16] [--long 32]
 """
 
 from __future__ import annotations

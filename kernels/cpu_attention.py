@@ -47,10 +47,16 @@ def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
     _module().store_kv_(k_cache, v_cache, slots, k, v)
 
 
+def hadamard_block(head_dim: int) -> int:
+    """The size of the blocks an int8 cache's keys are turned in: the largest power of two dividing head_dim
+    (paged_attention.cpp's hadamard_block)."""
+    return head_dim & -head_dim
+
+
 def hadamard(head_dim: int) -> torch.Tensor:
-    """The unnormalized Walsh-Hadamard matrix [head_dim, head_dim] that turns an int8 cache's keys: blocks
-    of the largest power of two dividing head_dim on the diagonal (paged_attention.cpp's hadamard_block)."""
-    n = head_dim & -head_dim
+    """The unnormalized Walsh-Hadamard matrix [head_dim, head_dim] that turns an int8 cache's keys:
+    hadamard_block-sized blocks on the diagonal."""
+    n = hadamard_block(head_dim)
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
@@ -65,7 +71,7 @@ def dequantize(cache: torch.Tensor, keys: bool = False) -> torch.Tensor:
     if not keys:
         return rows
     head_dim = rows.shape[-1]
-    return rows @ hadamard(head_dim) / (head_dim & -head_dim)
+    return rows @ hadamard(head_dim) / hadamard_block(head_dim)
 
 
 def _module():

@@ -187,7 +187,7 @@ def test_recipe_kv_cache_keys_are_checked():
         validate({"kv_cache": {"dtype": "auto", "window_tokens": 512}})
 
 
-def test_kv_stage_measures_int8_against_the_16bit_cache_and_states_the_choice(embedded_artifact, tmp_path):
+def test_kv_stage_measures_int8_against_the_models_own_cache_and_states_the_choice(embedded_artifact, tmp_path):
     # the stage on short windows (a recipe asks for >= 2048 tokens; the measurement is the same code)
     from dataclasses import replace
 
