@@ -1,8 +1,9 @@
 """The int8 KV cache against the bfloat16 one, same run, interleaved rounds (../shared/notes/measuring.md).
 
-1. The decode attention kernel per call at 2k context (the embedded model's shape at one layer: 9 query
-   heads, 3 KV heads, head_dim 64, blocks of 16 scattered over a pool), batches 1 and 16; each output is
-   checked against a float64 reference (of the dequantized cache for int8), so a fast wrong kernel fails.
+1. The decode attention kernel per call at 2k context (the embedded model's shape: 9 query heads, 3 KV
+   heads, head_dim 64, blocks of 16 scattered over a pool, its 30 layers' caches called in turn so that
+   each call reads from memory as in a step), batches 1 and 16; each output is checked against a float64
+   reference (of the dequantized cache for int8), so a fast wrong kernel fails.
 2. A decode step of the engine at batch 16 over 2k-token contexts (ModelRunner.execute on a cache filled
    with random values: what a step costs does not depend on them), both engines loaded side by side.
 3. Capacity: the blocks the same --kv-cache-memory holds.
@@ -17,7 +18,14 @@
    N/2 of them whole: the most sequences running at once and the decode-phase output tok/s (decode-only
    steps, from the engine's step records), one engine per cache, one round.
 
-    flock -x /tmp/infer-cpu.lock python -m infer.bench.kv_cache ARTIFACT [--rounds 5] [--kld-windows 2] [--chat 16] [--long 32]
+7. Optionally (--formats N) why int8 and not fp8: one-byte formats emulated in transformers' forward of the
+   artifact in float32 (K/V quantized per (token, KV head) row with a bfloat16 scale, after RoPE, as the
+   cache holds them; prompt tokens attend to the quantized K/V as in the engine): int8 with turned keys
+   (through the runtime's own store_kv_ and dequantize: a cross-check of its gate), fp8 e4m3 plain and
+   with turned keys, fp8 e5m2
+   (vLLM's CPU fp8); mean / p99 KLD and top-1 against the float32 cache over N held-out 2,048-token windows.
+
+    flock -x /tmp/infer-cpu.lock python -m infer.bench.kv_cache ARTIFACT [--rounds 5] [--kld-windows 2] [--chat 16] [--long 32] [--formats 2]
 """
 
 from __future__ import annotations
@@ -31,7 +39,7 @@ import torch
 
 from .throughput import RESULTS, host_info, save_json
 
-HEADS, KV_HEADS, D, BLOCK = 9, 3, 64, 16
+HEADS, KV_HEADS, D, BLOCK, LAYERS = 9, 3, 64, 16, 30
 
 
 def _median_call(fn, calls: int) -> float:
@@ -55,23 +63,30 @@ def _reference(q, k, v, tables, lens):
 
 
 def kernel_rows(rounds: int, context: int, batches: tuple[int, ...], gen: torch.Generator) -> list[dict]:
+    """Per call, with LAYERS layers' caches read in turn as a step reads them: from memory, not from a
+    last-level cache that one layer's cache would fit (13 MB of int8 at batch 16 does, and reads 1.6x faster)."""
     from infer.kernels import cpu_attention
 
     rows = []
     for batch in batches:
         per_seq = -(-context // BLOCK)
         pool = batch * per_seq + 8
-        k16 = torch.randn(pool, BLOCK, KV_HEADS, D, generator=gen).bfloat16()
-        v16 = torch.randn(pool, BLOCK, KV_HEADS, D, generator=gen).bfloat16()
-        k8 = torch.zeros(pool, BLOCK, KV_HEADS, D + 2, dtype=torch.int8)
-        v8 = torch.zeros_like(k8)
-        cpu_attention.store_kv_(k8, v8, torch.arange(pool * BLOCK), k16.view(-1, KV_HEADS, D), v16.view(-1, KV_HEADS, D))
+        caches = {"bfloat16": [], "int8": []}
+        for _ in range(LAYERS):
+            k16 = torch.randn(pool, BLOCK, KV_HEADS, D, generator=gen).bfloat16()
+            v16 = torch.randn(pool, BLOCK, KV_HEADS, D, generator=gen).bfloat16()
+            k8 = torch.zeros(pool, *cpu_attention.block_shape(BLOCK, KV_HEADS, D, torch.int8), dtype=torch.int8)
+            v8 = torch.zeros_like(k8)
+            cpu_attention.store_kv_(k8, v8, torch.arange(pool * BLOCK), k16.view(-1, KV_HEADS, D),
+                                    v16.view(-1, KV_HEADS, D))
+            caches["bfloat16"].append((k16, v16))
+            caches["int8"].append((k8, v8))
         tables = torch.randperm(pool, generator=gen)[:batch * per_seq].view(batch, per_seq)
         lens = torch.full((batch,), context)
         q = torch.randn(batch, HEADS, D, generator=gen).bfloat16()
         scale = D ** -0.5
-        caches = {"bfloat16": (k16, v16), "int8": (k8, v8)}
-        for name, (k, v) in caches.items():  # checked once, on the first sequence
+        for name, layers in caches.items():  # checked once, on the first sequence of the first layer
+            k, v = layers[0]
             got = cpu_attention.paged_decode_attention(q[:1], k, v, tables[:1], lens[:1], scale)
             if name != "bfloat16":  # the int8 keys turned back (kernels/cpu_attention.py)
                 k, v = cpu_attention.dequantize(k, keys=True), cpu_attention.dequantize(v)
@@ -80,10 +95,15 @@ def kernel_rows(rounds: int, context: int, batches: tuple[int, ...], gen: torch.
                 raise SystemExit(f"{name} decode kernel off by {err} from float64: not timing a wrong kernel")
         times = {name: [] for name in caches}
         for _ in range(rounds):  # interleaved: each round times both
-            for name, (k, v) in caches.items():
-                times[name].append(_median_call(
-                    lambda: cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale), 20) * 1e6)
+            for name, layers in caches.items():
+                per_call = []
+                for k, v in layers * 2:
+                    t = time.perf_counter()
+                    cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale)
+                    per_call.append(time.perf_counter() - t)
+                times[name].append(statistics.median(per_call[LAYERS:]) * 1e6)  # the first pass warms up
         rows.append(_row(f"decode attention, batch {batch}, context {context}", "us/call", times))
+        del caches
     return rows
 
 
@@ -138,8 +158,8 @@ def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.
 
 def long_prompt_serving(artifact: Path, requests: int, prompt_tokens: int = 1536, output_tokens: int = 256) -> dict:
     """``requests`` long prompts at once through one engine per cache format, the memory the bfloat16 cache
-    needs for half of them: the most sequences running in a step, and output tok/s over the decode-only
-    steps (StepRecord.kind) and over the whole run."""
+    needs for half of them: the most sequences running in a step, the mean batch of the decode-only steps
+    (StepRecord.kind: the sequences decoding at once), and output tok/s over those steps and the whole run."""
     from infer.pipeline.kv_cache import eval_windows
     from infer.runtime import LLM, SamplingParams
     from infer.runtime.engine.model_runner import kv_bytes_per_block
@@ -171,13 +191,74 @@ def long_prompt_serving(artifact: Path, requests: int, prompt_tokens: int = 1536
         decode_s = sum(r.dur_ms for r in decode) / 1e3
         out[name] = {"kv_cache_memory": memory, "blocks": engine.num_blocks,
                      "max_running": max(r.running for r in records),
+                     "mean_decode_batch": round(sum(r.decode_rows for r in decode) / len(decode), 2) if decode else None,
                      "decode_tok_s": round(sum(r.decode_rows for r in decode) / decode_s, 2) if decode_s else None,
                      "output_tok_s": round(sum(len(o.token_ids) for o in outs) / wall, 2), "wall_s": round(wall, 1),
                      "steps": len(records), "preemptions": engine.scheduler.num_preemptions}
         llm.close()
-    for key in ("max_running", "decode_tok_s", "output_tok_s"):
+    for key in ("max_running", "mean_decode_batch", "decode_tok_s", "output_tok_s"):
         b, q = out["bfloat16"][key], out["int8"][key]
         out.setdefault("int8_x", {})[key] = round(q / b, 3) if b and q else None
+    return out
+
+
+def one_byte_formats(artifact: Path, windows: int) -> dict:
+    """Mean / p99 KLD and top-1 agreement of each one-byte KV format against the float32 cache (item 7 above)."""
+    import transformers
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from infer.kernels import cpu_attention
+    from infer.pipeline.kv_cache import eval_windows
+
+    def rows_scaled(x, top, cast):  # per row: a bfloat16 scale absmax / top, values cast against it
+        s = (x.abs().amax(-1, keepdim=True) / top).bfloat16().float()
+        return cast(x / torch.where(s > 0, s, 1)) * s
+
+    def int8(keys):  # the runtime's own: store_kv_ quantizes (keys turned), dequantize reads back
+        def through_the_cache(x):  # x [batch, kv_heads, tokens, head_dim]
+            b, h, t, d = x.shape
+            rows = x.transpose(1, 2).reshape(-1, h, d).contiguous()
+            kc = torch.zeros(-(-len(rows) // BLOCK), *cpu_attention.block_shape(BLOCK, h, d, torch.int8),
+                             dtype=torch.int8)
+            vc = torch.zeros_like(kc)
+            cpu_attention.store_kv_(kc, vc, torch.arange(len(rows)), rows, rows)  # x as keys and as values
+            back = cpu_attention.dequantize(kc if keys else vc, keys=keys).reshape(-1, h, d)[:len(rows)]
+            return back.reshape(b, t, h, d).transpose(1, 2)
+        return through_the_cache
+
+    def fp8(dtype, top):
+        return lambda x: rows_scaled(x, top, lambda y: y.to(dtype).float())
+
+    def turned(fn):  # keys: H k stored, turned back by H / n (kernels/cpu_attention.hadamard)
+        return lambda x: fn(x @ cpu_attention.hadamard(x.shape[-1])) @ cpu_attention.hadamard(x.shape[-1]) / x.shape[-1]
+
+    e4m3, e5m2 = fp8(torch.float8_e4m3fn, 448.0), fp8(torch.float8_e5m2, 57344.0)
+    formats = {"float32": (None, None), "int8 (keys turned)": (int8(True), int8(False)), "fp8 e4m3": (e4m3, e4m3),
+               "fp8 e4m3 (keys turned)": (turned(e4m3), e4m3), "fp8 e5m2": (e5m2, e5m2)}
+    current = {}
+
+    def attention(module, q, k, v, mask, **kw):
+        kq, vq = current["fns"]
+        if kq is not None:
+            k, v = kq(k.float()).to(k.dtype), vq(v.float()).to(v.dtype)
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register("infer_kv_formats", attention)
+    model = transformers.AutoModelForCausalLM.from_pretrained(artifact, dtype=torch.float32,
+                                                              attn_implementation="infer_kv_formats").eval()
+    texts = eval_windows(artifact, "pydoc_topics", 2048, windows)
+    logp = {}
+    for name, fns in formats.items():
+        current["fns"] = fns
+        with torch.no_grad():
+            logp[name] = [model(torch.tensor([w])).logits[0].log_softmax(-1) for w in texts]
+    out = {}
+    for name in list(formats)[1:]:
+        kld = torch.cat([(b.exp() * (b - a)).sum(-1) for a, b in zip(logp[name], logp["float32"])])
+        top1 = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(logp[name], logp["float32"])])
+        out[name] = {"tokens": kld.numel(), "mean_kld": round(kld.mean().item(), 6),
+                     "p99_kld": round(kld.quantile(0.99).item(), 5), "top1_agreement": round(top1.mean().item(), 4)}
     return out
 
 
@@ -203,26 +284,29 @@ def chat_agreement(artifact: Path, prompts: int, max_tokens: int) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("artifact", type=Path)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the speed rows (0: skip them)")
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--kld-windows", type=int, default=0, help="2048-token windows for the KLD (0: skip)")
     p.add_argument("--chat", type=int, default=0, help="chat prompts for greedy agreement (0: skip)")
     p.add_argument("--chat-tokens", type=int, default=128)
     p.add_argument("--long", type=int, default=0, help="long-prompt requests at once (0: skip)")
+    p.add_argument("--formats", type=int, default=0, help="2048-token windows for the one-byte formats (0: skip)")
     p.add_argument("--json", type=Path, default=RESULTS / "kv_cache.json")
     args = p.parse_args(argv)
     seed = int(time.time())
     print(f"seed {seed}; host {host_info().get('cpu')}; torch threads {torch.get_num_threads()}")
     gen = torch.Generator().manual_seed(seed)
-    rows = kernel_rows(args.rounds, args.context, (1, args.batch), gen)
-    more, engine = step_rows(args.artifact, args.rounds, args.batch, args.context, gen)
-    rows += more
+    rows, engine = [], {"kernels": None, "block_bytes": {}}
+    if args.rounds:
+        rows = kernel_rows(args.rounds, args.context, (1, args.batch), gen)
+        more, engine = step_rows(args.artifact, args.rounds, args.batch, args.context, gen)
+        rows += more
     memory = 1 << 30
     tokens = {name: memory // b * BLOCK for name, b in engine["block_bytes"].items()}
     result = {"benchmark": "kv_cache", "seed": seed, "rows": rows, "kernels": engine["kernels"],
               "capacity": {"kv_cache_memory": memory, "tokens": tokens,
-                           "int8_x": round(tokens["int8"] / tokens["bfloat16"], 3)}}
+                           "int8_x": round(tokens["int8"] / tokens["bfloat16"], 3) if tokens else None}}
     print(f"{'what':44} {'bfloat16':>10} {'int8':>10} {'int8 x':>7}  spread bf16 | int8")
     for r in rows:
         print(f"{r['what']:44} {r['bfloat16_median']:>10} {r['int8_median']:>10} {r['int8_speedup']:>7}  "
@@ -244,12 +328,20 @@ def main(argv=None) -> dict:
                   f"{r['greedy_exact_match']:.3f} over {r['prompts']} prompts")
     if args.long:
         result["long_prompts"] = long_prompt_serving(args.artifact, args.long)
-        for name, r in result["long_prompts"].items():
-            print(f"long prompts, {name} cache: {r['max_running']} running at most, decode phase "
+        for name in ("bfloat16", "int8"):
+            r = result["long_prompts"][name]
+            print(f"long prompts, {name} cache: {r['max_running']} running at most, {r['mean_decode_batch']} "
+                  f"decoding at once on average, decode phase "
                   f"{r['decode_tok_s']} tok/s, {r['output_tok_s']} output tok/s overall, {r['wall_s']} s, "
                   f"{r['preemptions']} preemptions")
-    print(f"capacity at --kv-cache-memory 1G: {tokens} tokens ({result['capacity']['int8_x']}x)")
-    print("kernels:", engine["kernels"])
+        print("long prompts, int8 / bfloat16:", result["long_prompts"]["int8_x"])
+    if args.formats:
+        result["one_byte_formats"] = one_byte_formats(args.artifact, args.formats)
+        for name, r in result["one_byte_formats"].items():
+            print(f"{name:24} vs the float32 cache, model in float32 (transformers):", r)
+    if tokens:
+        print(f"capacity at --kv-cache-memory 1G: {tokens} tokens ({result['capacity']['int8_x']}x)")
+        print("kernels:", engine["kernels"])
     save_json(result, args.json)
     return result
 

@@ -44,10 +44,9 @@ def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "i
     against the 16-bit cache.
 
     ``compute`` float32 (the gate's): the model runs in float32, so what is measured is what the format
-    loses. In bfloat16 the two runs' own rounding drifts apart whatever the cache: on the embedded model
-    the bfloat16 engine is mean KLD 0.00115 from float32 with the same 16-bit cache, and int8 against
-    bfloat16 measured 0.0021 where, in float32, int8 against float32 is 0.00028 (bench/kv_cache.py shows
-    both)."""
+    loses. In bfloat16 the two runs' own rounding drifts apart whatever the cache, several times the
+    format's loss on the embedded model (bench/kv_cache.py --kld-windows measures both; the figures are in
+    docs/benchmarks/)."""
     import torch
 
     from infer.runtime import LLM

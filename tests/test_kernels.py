@@ -387,8 +387,9 @@ def test_kernel_attends_from_each_rows_start_and_never_reads_blocks_before_it(ca
 
 
 def test_kernel_refuses_a_start_outside_the_context():
-    q, k, v, tables, lens = random_paged(3, 4, 2, 64, torch.float32)
+    q, k, v, _, lens = random_paged(3, 4, 2, 64, torch.float32)
     lens[:] = torch.tensor([20, 5, 40])
+    tables = torch.arange(9).view(3, 3)  # room for 48 tokens whatever random_paged's lengths were
     for bad, match in ((torch.tensor([0, 5, 0]), "start 5 of sequence 1 is outside 0..4"),
                        (torch.tensor([-1, 0, 0]), "start -1 of sequence 0"), (torch.tensor([0, 0]), "starts must be")):
         with pytest.raises(RuntimeError, match=match):

@@ -26,6 +26,7 @@ import torch
 from infer.runtime import LLM, SamplingParams
 from infer.runtime.artifact import ArtifactError, verify_artifact
 from infer.runtime.parallel import distributed as d
+from conftest import agree_until_a_near_tie
 from test_server import free_port, launch_server, wait_ready
 
 # varied prompts: short and long (over the 32-token step budget: chunked), three sharing a long
@@ -150,6 +151,26 @@ def test_llm_tp2_on_a_small_qwen2_and_no_orphans(tiny):
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     late = llm.generate(PROMPTS[:1], _params()[0])[0]  # after close: that request fails, saying why
     assert late.finish_reason == "error" and "tensor-parallel group is closed" in late.error
+
+
+def test_tp2_on_an_int8_kv_cache_gives_tp1s_tokens(tiny):
+    """kv_cache_dtype=int8 at tp=2: every rank allocates its KV heads' cache in int8 (each reports it) and
+    the greedy tokens are tp=1's on the int8 cache, up to a near tie (the row-parallel sums round otherwise)."""
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=20) for _ in PROMPTS]
+    with LLM(tiny[1], **ENGINE, kv_cache_dtype="int8") as base:
+        want = base.generate(PROMPTS, params)
+    with LLM(tiny[1], **ENGINE) as base:
+        plain = base.generate(PROMPTS, params)
+    with LLM(tiny[2], **ENGINE, kv_cache_dtype="int8") as llm:
+        assert llm.engine.runner.kv_cache.dtype == torch.int8
+        assert [r["kv_dtype"] for r in llm.engine.ranks.ranks.values()] == ["int8"]
+        got = llm.generate(PROMPTS, params)
+    off = agree_until_a_near_tie(got, want)
+    # a rounding difference upstream can move a value across an int8 step: the scale is int8's own error
+    int8_error = agree_until_a_near_tie(want, plain, tie=1.0)
+    print("tp2 - tp1 on int8 caches, largest logprob difference before any tie:", off, "int8 - 16-bit cache:",
+          int8_error)
+    assert off < max(1e-3, int8_error / 4), (off, int8_error)
 
 
 # ---------------------------------------------------------------------------- the HTTP server

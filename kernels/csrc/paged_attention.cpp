@@ -15,13 +15,19 @@
 // accumulators in registers, the cache widened to float32 as it is read, on 16-lane AVX-512F or 8-lane
 // AVX2 vectors (the build's target decides, kernels/isa.py); other shapes take the general loops.
 //
-// An int8 cache (the quantized KV cache, runtime/engine/attention.py) is [blocks, block_size, kv_heads,
-// head_dim + 2]: each (token, KV head) row is head_dim int8 values (a key's turned by a Walsh-Hadamard
+// An int8 cache (the quantized KV cache, runtime/engine/attention.py) is [blocks, kv_heads, block_size,
+// head_dim + 2], head-major so that a task's rows lie back to back (kernels/cpu_attention.block_shape):
+// each (token, KV head) row is head_dim int8 values (a key's turned by a Walsh-Hadamard
 // transform, hadamard_block below) then the 2 bytes of its bfloat16 scale
 // (symmetric: absmax / 127, rounded to bfloat16 first and the values quantized against the rounded
-// scale, so value x scale is the dequantized value exactly). store_kv_ quantizes as it stores; q8_task
-// reads the int8 values widened to float32 in registers and applies a key's scale to its score and a
-// value's scale to its probability: one multiply a token, never a dequantized copy of the cache.
+// scale, so value x scale is the dequantized value exactly). store_kv_ quantizes as it stores; the decode
+// tasks read the int8 values in registers and apply a key's scale to its score and a value's scale to its
+// probability: one multiply a token, never a dequantized copy of the cache. On AVX2, q8i_task sums in
+// integers (int16 queries and probabilities against the int8 rows by vpmaddwd), the path that makes the
+// int8 cache faster than the bfloat16 one; AVX-512 builds take q8_task (the values widened to float32).
+//
+// Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block's start:
+// the register tasks prefetch rows of a block or more ahead as they read (prefetch_row).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -48,7 +54,7 @@ using infer::exp16;
 #endif
 
 // One row of scores to probabilities in place, in plain C++: the general loops' softmax (the vector paths
-// have their own softmax_inplace). len >= 1; no infinities under -ffast-math.
+// have their own softmax_inplace). len >= 1.
 inline void softmax_row(float* s, int64_t len) {
   float mx = s[0];
   for (int64_t t = 1; t < len; ++t) mx = std::max(mx, s[t]);
@@ -106,6 +112,14 @@ inline void hadamard_head_(float* x, int64_t head_dim) {
   const int64_t n = hadamard_block(head_dim);
   for (int64_t b = 0; b < head_dim; b += n) hadamard_(x + b, n);
 }
+
+// The int8 cache's layout, [blocks, kv_heads, block_size, head_dim + 2], as byte strides: a head's rows of
+// a block lie back to back (kernels/cpu_attention.block_shape says why).
+struct Q8Layout {
+  int64_t row, head, block;  // a token's row, a KV head's rows of a block, a block
+  Q8Layout(int64_t kv_heads, int64_t block_size, int64_t head_dim)
+      : row(head_dim + 2), head(block_size * (head_dim + 2)), block(kv_heads * block_size * (head_dim + 2)) {}
+};
 
 // Quantizes n floats into an int8 cache row (n values, then the bfloat16 scale): the scale is absmax /
 // 127 rounded to bfloat16, the values round(x / scale) clamped to +-127, so |x - value * scale| <= scale / 2.
@@ -225,13 +239,20 @@ inline float vsum(vecf a) {
 }
 inline void vstore(float* p, vecf a) { _mm256_storeu_ps(p, a); }
 
-// In-place softmax of n floats (8 lanes; the tail scalar, with the same exponential).
+// In-place softmax of n floats (8 lanes; the tail scalar, with the same exponential). The maximum in
+// vectors: a scalar compare-and-select loop is one dependent chain (GCC vectorizes it only under
+// -ffast-math), about a tenth of a 2k-token task.
 inline void softmax_inplace(float* x, int64_t n) {
-  float mx = x[0];
-  for (int64_t i = 1; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  __m256 vmx = _mm256_set1_ps(x[0]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(x + i));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float mx = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   const __m256 m = _mm256_set1_ps(mx);
   __m256 sum = _mm256_setzero_ps();
-  int64_t i = 0;
+  i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 e = infer::exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m));
     _mm256_storeu_ps(x + i, e);
@@ -259,6 +280,14 @@ inline void softmax_visible(float* s, int64_t len, int64_t skip) {
   std::fill(s, s + skip, 0.f);
 }
 
+// Prefetches the cache lines that n values from `row` touch (rows ahead of the loop: the top of the file).
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const auto first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
+  const auto last = reinterpret_cast<uintptr_t>(row + n) - 1;
+  for (uintptr_t line = first; line <= last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+}
+
 // One (sequence, KV head) task with the head count per KV head (G) and head_dim / kVec (D) known at
 // compile time, so the queries and the output accumulators live in registers for the whole task.
 template <typename T, int G, int D>
@@ -270,6 +299,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) q[g][d] = vload(qf + g * D * kVec + d * kVec);
   for (int64_t t = 0; t < len; ++t) {
     const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    if (t + block_size < len) prefetch_row(k_cache + table[t / block_size + 1] * block_stride + (t % block_size) * token_stride + kv_offset, D * kVec);
     vecf kr[D];
     for (int d = 0; d < D; ++d) kr[d] = vload_row(k + d * kVec);
     for (int g = 0; g < G; ++g) {
@@ -285,6 +315,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) acc[g][d] = vzero();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
+    if (t + block_size < len) prefetch_row(v_cache + table[t / block_size + 1] * block_stride + (t % block_size) * token_stride + kv_offset, D * kVec);
     vecf vr[D];
     for (int d = 0; d < D; ++d) vr[d] = vload_row(v + d * kVec);
     for (int g = 0; g < G; ++g) {
@@ -334,6 +365,172 @@ void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, cons
   }
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) vstore(acc_out + g * D * kVec + d * kVec, acc[g][d]);
+}
+#endif
+
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// A sequence's int8 cache rows for one KV head in order, walking its block table: one lookup a block, no
+// division a token. A head's rows of a block lie back to back (head-major); entering a block prefetches the
+// same head's rows `ahead` blocks on (see the top of the file).
+struct Q8Rows {
+  const int8_t* cache;
+  const int64_t* table;
+  int64_t len, block_size, block_stride, token_stride, offset;
+  int64_t ahead;  // blocks: far enough that the rows have arrived when the loop reaches them (0: no prefetch)
+  int64_t block = 0, in_block = 0;
+  const int8_t* next() {
+    if (in_block == 0 && ahead > 0 && (block + ahead) * block_size < len)
+      prefetch_row(cache + table[block + ahead] * block_stride + offset, block_size * token_stride);
+    const int8_t* row = cache + table[block] * block_stride + in_block * token_stride + offset;
+    if (++in_block == block_size) in_block = 0, ++block;
+    return row;
+  }
+};
+
+// Lane i of the result: the sum of v[i]'s 8 int32 lanes (six pairwise adds and a swap of halves, where 8
+// horizontal sums take ~40 instructions).
+inline __m256i sum_lanes8(const __m256i* v) {
+  const __m256i a0 = _mm256_hadd_epi32(v[0], v[1]), a1 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i a2 = _mm256_hadd_epi32(v[4], v[5]), a3 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_hadd_epi32(a0, a1), b1 = _mm256_hadd_epi32(a2, a3);  // [v0..v3 low | v0..v3 high]
+  return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
+}
+
+// q8_task with integer scores and int16 weights for V (AVX2, head_dim a multiple of 16), where q8_task's
+// float loops cost what the bfloat16 cache's do (widening int8 to float32 takes as many instructions as
+// bfloat16) and so gain nothing from reading half the bytes.
+// Scores: each query row rounded to int16 against its own scale (absmax / 32767, 1.5e-5 of its largest
+// value, far below the keys' int8 step), q.k summed exactly in int32 by vpmaddwd over the keys widened to
+// int16 (|sum| <= head_dim * 128 * 32767 < 2^31 for head_dim <= 512), 8 tokens' sums reduced together.
+// V: per span of 64 tokens, each probability times its value's scale rounded to int16 against the span's
+// largest (an error of at most 1 / 65534 of it a token), two tokens' values interleaved so one vpmaddwd
+// sums both into int32 (|sum| <= 64 * 128 * 32767 < 2^31 a span), flushed to float32 accumulators once a span.
+template <int G, int HD>
+void q8i_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table, int64_t len,
+              int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset,
+              float* scores, float* acc_out, float softcap) {
+  static_assert(HD % 16 == 0 && HD <= 512, "int16 chunks of 16 dims; int32 sums bounded");
+  constexpr int C = HD / 16;
+  __m256i q16[G][C];
+  float qs[G];
+  for (int g = 0; g < G; ++g) {
+    float amax = 0.f;
+    for (int d = 0; d < HD; ++d) amax = std::max(amax, std::fabs(qf[g * HD + d]));
+    qs[g] = amax / 32767.f;
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    alignas(32) int16_t row[HD];
+    for (int d = 0; d < HD; ++d)
+      row[d] = static_cast<int16_t>(std::min(32767.f, std::max(-32767.f, std::nearbyint(qf[g * HD + d] * inv))));
+    for (int c = 0; c < C; ++c) q16[g][c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(row + 16 * c));
+  }
+  Q8Rows keys{k_cache, table, len, block_size, block_stride, token_stride, kv_offset, 2};
+  for (int64_t t0 = 0; t0 < len; t0 += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, len - t0));
+    __m256i part[G][8];
+    alignas(32) float ks[8] = {};
+    for (int i = 0; i < 8; ++i) {
+      if (i >= n) {
+        for (int g = 0; g < G; ++g) part[g][i] = _mm256_setzero_si256();
+        continue;
+      }
+      const int8_t* k = keys.next();
+      ks[i] = q8_scale(k, HD);
+      __m256i kr[C];
+      for (int c = 0; c < C; ++c)
+        kr[c] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(k + 16 * c)));
+      for (int g = 0; g < G; ++g) {
+        __m256i a = _mm256_madd_epi16(kr[0], q16[g][0]);
+        for (int c = 1; c < C; ++c) a = _mm256_add_epi32(a, _mm256_madd_epi16(kr[c], q16[g][c]));
+        part[g][i] = a;
+      }
+    }
+    const __m256 kscale = _mm256_load_ps(ks);
+    for (int g = 0; g < G; ++g) {
+      const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(sum_lanes8(part[g])), _mm256_mul_ps(kscale, _mm256_set1_ps(qs[g])));
+      if (n == 8) {
+        _mm256_storeu_ps(scores + g * len + t0, s);
+      } else {
+        alignas(32) float out[8];
+        _mm256_store_ps(out, s);
+        for (int i = 0; i < n; ++i) scores[g * len + t0 + i] = out[i];
+      }
+    }
+  }
+  cap_scores(scores, G * len, softcap);
+  for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
+
+  constexpr int64_t kSpan = 64;
+  float acc[G][HD] = {};
+  // the rows of a span are read back to back before its sums: prefetch past the span
+  Q8Rows values{v_cache, table, len, block_size, block_stride, token_stride, kv_offset,
+                (kSpan + block_size - 1) / block_size + 1};
+  for (int64_t t0 = 0; t0 < len; t0 += kSpan) {
+    const int64_t n = std::min<int64_t>(kSpan, len - t0);
+    const int8_t* rows[kSpan];
+    alignas(32) float vs[kSpan];
+    for (int64_t i = 0; i < n; ++i) {
+      rows[i] = values.next();
+      vs[i] = q8_scale(rows[i], HD);
+    }
+    for (int64_t i = n; i < kSpan; ++i) rows[i] = rows[n - 1], vs[i] = 0.f;  // padding, at weight 0
+    // (w[2j], w[2j + 1]) as two int16 in one int32 lane: the pair one vpmaddwd takes
+    alignas(32) int16_t p16[G][kSpan];
+    float ws[G];
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float w[kSpan];
+      const float* sg = scores + g * len + t0;
+      __m256 wmax = _mm256_setzero_ps();
+      for (int64_t i = 0; i < kSpan; i += 8) {
+        __m256 x;
+        if (i + 8 <= n) {
+          x = _mm256_loadu_ps(sg + i);
+        } else {
+          alignas(32) float tail[8] = {};
+          for (int64_t k = i; k < n; ++k) tail[k - i] = sg[k];
+          x = _mm256_load_ps(tail);
+        }
+        x = _mm256_mul_ps(x, _mm256_load_ps(vs + i));
+        _mm256_store_ps(w + i, x);
+        wmax = _mm256_max_ps(wmax, x);  // probabilities and scales are >= 0
+      }
+      alignas(32) float m8[8];
+      _mm256_store_ps(m8, wmax);
+      const float m = *std::max_element(m8, m8 + 8);
+      ws[g] = m / 32767.f;
+      const __m256 inv = _mm256_set1_ps(m > 0.f ? 32767.f / m : 0.f);
+      for (int64_t i = 0; i < kSpan; i += 16) {
+        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(w + i), inv));
+        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_load_ps(w + i + 8), inv));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(p16[g] + i), _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8));
+      }
+    }
+    const int64_t pairs = (n + 1) / 2;
+    for (int c = 0; c < C; ++c) {  // 16 dims at a time: G x 2 int32 accumulators in registers
+      __m256i lo[G], hi[G];
+      for (int g = 0; g < G; ++g) lo[g] = hi[g] = _mm256_setzero_si256();
+      for (int64_t j = 0; j < pairs; ++j) {
+        const __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * j] + 16 * c)));
+        const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2 * j + 1] + 16 * c)));
+        const __m256i ab_lo = _mm256_unpacklo_epi16(a, b), ab_hi = _mm256_unpackhi_epi16(a, b);  // dims 0-3, 8-11 | 4-7, 12-15
+        for (int g = 0; g < G; ++g) {
+          int32_t pair;
+          std::memcpy(&pair, p16[g] + 2 * j, sizeof(pair));
+          const __m256i p = _mm256_set1_epi32(pair);
+          lo[g] = _mm256_add_epi32(lo[g], _mm256_madd_epi16(ab_lo, p));
+          hi[g] = _mm256_add_epi32(hi[g], _mm256_madd_epi16(ab_hi, p));
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m256 s = _mm256_set1_ps(ws[g]);
+        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo[g], hi[g], 0x20));  // dims 0-7
+        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(lo[g], hi[g], 0x31));  // dims 8-15
+        float* a = acc[g] + 16 * c;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(d0, s, _mm256_loadu_ps(a)));
+        _mm256_storeu_ps(a + 8, _mm256_fmadd_ps(d1, s, _mm256_loadu_ps(a + 8)));
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) std::copy(acc[g], acc[g] + HD, acc_out + g * HD);
 }
 #endif
 
@@ -484,7 +681,11 @@ using Q8Task = void (*)(const float*, const int8_t*, const int8_t*, const int64_
 
 // The int8 task for this shape, or nullptr for the general loops.
 inline Q8Task pick_q8_task(int64_t group, int64_t head_dim) {
+#if defined(__AVX512F__)
 #define INFER_CASE(G, HD) if (group == G && head_dim == HD) return &q8_task<G, HD / kVec>;
+#else
+#define INFER_CASE(G, HD) if (group == G && head_dim == HD) return &q8i_task<G, HD>;
+#endif
   INFER_CASE(1, 64) INFER_CASE(2, 64) INFER_CASE(3, 64) INFER_CASE(4, 64) INFER_CASE(5, 64) INFER_CASE(6, 64)
   INFER_CASE(7, 64) INFER_CASE(8, 64) INFER_CASE(1, 128) INFER_CASE(2, 128) INFER_CASE(4, 128) INFER_CASE(7, 128)
   INFER_CASE(8, 128)
@@ -516,8 +717,9 @@ template <typename T>
 void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, const int64_t* block_tables,
                       const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                       int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale, float softcap) {
-  const int64_t group = num_heads / num_kv_heads, row_bytes = head_dim + 2;
-  const int64_t token_stride = num_kv_heads * row_bytes, block_stride = block_size * token_stride;
+  const int64_t group = num_heads / num_kv_heads;
+  const Q8Layout layout(num_kv_heads, block_size, head_dim);
+  const int64_t token_stride = layout.row, head_stride = layout.head, block_stride = layout.block;
 #if defined(__AVX512F__) || defined(__AVX2__)
   const Q8Task fixed = q8_fixed_on() ? pick_q8_task(group, head_dim) : nullptr;
 #endif
@@ -536,13 +738,13 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
       scores.assign(group * len, 0.f);
 #if defined(__AVX512F__) || defined(__AVX2__)
       if (fixed != nullptr) {
-        fixed(qf.data(), k_cache, v_cache, table, len, skip, block_size, block_stride, token_stride, kvh * row_bytes,
+        fixed(qf.data(), k_cache, v_cache, table, len, skip, block_size, block_stride, token_stride, kvh * head_stride,
               scores.data(), acc.data(), softcap);
       } else
 #endif
       {
         const auto token_row = [&](const int8_t* cache, int64_t t) {
-          return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * row_bytes;
+          return cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kvh * head_stride;
         };
         for (int64_t t = 0; t < len; ++t) {
           const int8_t* k = token_row(k_cache, t);
@@ -686,7 +888,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 }  // namespace
 
 // q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] of q's dtype, or
-// int8 [blocks, block_size, kv_heads, head_dim + 2] (values and a bfloat16 scale a row);
+// int8 [blocks, kv_heads, block_size, head_dim + 2] (values and a bfloat16 scale a row, head-major);
 // block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64; starts: none, or [seqs] int64, the
 // first position each query sees (a sliding window's: position - window + 1, at least 0). Returns [seqs,
 // heads, head_dim]. Every index is checked before any is used (the kernel reads the cache through them): a
@@ -712,11 +914,13 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t num_blocks = k_cache.size(0), block_size = k_cache.size(q8 ? 2 : 1),
+                num_kv_heads = k_cache.size(q8 ? 1 : 2);
   TORCH_CHECK(num_kv_heads > 0 && block_size > 0 && head_dim > 0 && num_heads % num_kv_heads == 0 &&
                   k_cache.size(3) == head_dim + (q8 ? 2 : 0),
-              "paged_decode_attention: head layout mismatch (an int8 cache's rows are head_dim + 2 bytes: values, "
-              "then a bfloat16 scale); got q ", q.sizes(), " and caches ", k_cache.sizes());
+              "paged_decode_attention: head layout mismatch (an int8 cache is [blocks, kv_heads, block_size, "
+              "head_dim + 2]: rows of values, then a bfloat16 scale); got q ", q.sizes(), " and caches ",
+              k_cache.sizes());
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs && context_lens.dim() == 1 &&
                   context_lens.size(0) == num_seqs,
               "paged_decode_attention: block_tables must be [seqs, max_blocks] and context_lens [seqs] for ",
@@ -774,15 +978,18 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // Writes a step's new keys and values into their cache slots, both in one call: k, v [T, kv_heads,
 // head_dim] with rows that may be strided (slices of the fused qkv projection are); slots [T] int64,
 // each block * block_size + offset. Two index_copy_ calls otherwise, twice the dispatch per layer.
-// An int8 cache ([.., kv_heads, head_dim + 2]) gets each (token, KV head) row quantized as it is written.
+// An int8 cache ([blocks, kv_heads, block_size, head_dim + 2]) gets each (token, KV head) row quantized as it
+// is written.
 void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
   for (const auto& t : {k_cache, v_cache, slots, k, v}) TORCH_CHECK(t.device().is_cpu(), "store_kv_: CPU tensors only");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "store_kv_: caches must be contiguous [blocks, block_size, kv_heads, d] of one shape and dtype");
+              "store_kv_: caches must be contiguous [blocks, block_size, kv_heads, d] (int8: [blocks, kv_heads, "
+              "block_size, d + 2]) of one shape and dtype");
   const bool q8 = k_cache.scalar_type() == at::kChar;
-  const int64_t kv_heads = k_cache.size(2), head_dim = k_cache.size(3) - (q8 ? 2 : 0);
-  const int64_t row = kv_heads * k_cache.size(3), capacity = k_cache.size(0) * k_cache.size(1);
+  const int64_t block_size = k_cache.size(q8 ? 2 : 1), kv_heads = k_cache.size(q8 ? 1 : 2);
+  const int64_t head_dim = k_cache.size(3) - (q8 ? 2 : 0);
+  const int64_t row = kv_heads * k_cache.size(3), capacity = k_cache.size(0) * block_size;
   for (const auto& t : {k, v}) {
     TORCH_CHECK(t.dim() == 3 && t.size(1) == kv_heads && t.size(2) == head_dim && t.stride(2) == 1 &&
                     t.stride(1) == t.size(2) && (q8 || t.scalar_type() == k_cache.scalar_type()) &&
@@ -804,12 +1011,15 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
       const scalar_t* ks = k.data_ptr<scalar_t>();
       const scalar_t* vs = v.data_ptr<scalar_t>();
       std::vector<float> turned(head_dim);
+      const Q8Layout layout(kv_heads, block_size, head_dim);
       for (int64_t t = 0; t < slots.numel(); ++t)
         for (int64_t h = 0; h < kv_heads; ++h) {
+          // block slot / block_size, head h, token slot % block_size
+          const int64_t at = (slot[t] / block_size) * layout.block + h * layout.head + (slot[t] % block_size) * layout.row;
           load_row(ks + t * k.stride(0) + h * head_dim, turned.data(), head_dim);
           hadamard_head_(turned.data(), head_dim);  // keys turned (above hadamard_block)
-          q8_store_row(turned.data(), kc + slot[t] * row + h * (head_dim + 2), head_dim);
-          q8_store_row(vs + t * v.stride(0) + h * head_dim, vc + slot[t] * row + h * (head_dim + 2), head_dim);
+          q8_store_row(turned.data(), kc + at, head_dim);
+          q8_store_row(vs + t * v.stride(0) + h * head_dim, vc + at, head_dim);
         }
     };
     switch (k.scalar_type()) {

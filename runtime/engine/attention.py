@@ -47,7 +47,7 @@ class PagedAttention:
         self.decode_kernel = decode_kernel  # kernels.cpu_attention's, or None: gather + SDPA
         self.store_kv = store_kv  # kernels.cpu_attention's, or None: two index_copy_
         self.decodes_only = not prefills  # the rows are the decodes, in order: no gather, no scatter
-        self.kv_cache = kv_cache  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        self.kv_cache = kv_cache  # [layers, 2, num_blocks, *kernels/cpu_attention.block_shape]
         self.block_size = block_size
         self.slot_mapping = slot_mapping  # [T] cache slot of each new token
         self.decode_rows = decode_rows  # [D] rows of decode queries

@@ -15,11 +15,13 @@ into the graph's static buffers, padded to the bucket. Other steps run eagerly.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from infer.kernels.cpu_attention import block_shape
 from infer.kernels.cuda_graphs import DEFAULT_BUCKETS, DecodeInputs, GraphRunner, buckets_up_to
 
 from .attention import PagedAttention, PrefillChunk
@@ -34,24 +36,22 @@ log = logging.getLogger("infer.engine")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
 
 
-def kv_row(head_dim: int, dtype: torch.dtype) -> int:
-    """Elements of one (token, KV head) row of the cache: head_dim, and 2 more for int8 (the row's
-    bfloat16 scale, kernels/csrc/paged_attention.cpp)."""
-    return head_dim + 2 if dtype == torch.int8 else head_dim
+def kv_block_shape(model: Transformer, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """One layer's K (or V) block: kernels/cpu_attention.block_shape (int8 rows carry a scale, head-major)."""
+    cfg = model.config
+    return block_shape(block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
 def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.config
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * kv_row(cfg.head_dim, dtype) * dtype.itemsize
+    return 2 * model.config.num_layers * math.prod(kv_block_shape(model, block_size, dtype)) * dtype.itemsize
 
 
-def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtype, kernels,
-                   tensor_parallel: int = 1) -> torch.dtype:
+def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtype, kernels) -> torch.dtype:
     """The KV cache's dtype: ``requested`` (--kv-cache-dtype), where "auto" follows the artifact's manifest
     (``artifact``: the format its build chose, None: the model's dtype). A 16-bit name means the model's
     dtype (the cache holds what the model computes); int8 is the quantized cache, which needs the C++ CPU
-    kernels (the only ones that read it) and one rank: ValueError naming the fix otherwise; "auto" then
-    falls back to the model's dtype."""
+    kernels (the only ones that read it): ValueError naming the fix otherwise; "auto" then falls back to
+    the model's dtype. Tensor-parallel ranks each allocate their own KV heads' cache in the same dtype."""
     if requested not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype={requested!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
     want = artifact if requested == "auto" else requested
@@ -61,8 +61,6 @@ def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtyp
     if kernels.backend != "cpp" or kernels.decode_attention is None or kernels.store_kv is None:
         why = (f"the {kernels.backend} kernels cannot read it (only the C++ CPU kernels do: kernels=auto or cpp "
                f"on the CPU)")
-    elif tensor_parallel > 1:
-        why = f"tensor parallelism (tp={tensor_parallel}) does not allocate it yet"
     if why is None:
         return torch.int8
     if requested == "auto":
@@ -172,8 +170,8 @@ class ModelRunner:
         if cfg.attn_softcap:
             self.chunk_kernel = self.prefill_kernel = None  # they have no soft-cap: prompt chunks take explicit-score SDPA
         self.decode_rows_only = self.quantized_kv or self.window is not None
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads,
-                                    kv_row(cfg.head_dim, kv_dtype), dtype=kv_dtype, device=self.device)
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, *kv_block_shape(model, block_size, kv_dtype),
+                                    dtype=kv_dtype, device=self.device)
         self.graphs = None
         if graph_buckets:
             if kernels.backend != "triton":

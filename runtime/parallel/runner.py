@@ -111,10 +111,13 @@ class RankGroup:
             self.close()
             raise
 
-    def runner(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None) -> TensorParallelRunner:
-        """The KV cache size to every rank, then the process group: the engine's runner."""
+    def runner(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None,
+               kv_dtype: torch.dtype | None = None) -> TensorParallelRunner:
+        """The KV cache's size and dtype to every rank (each allocates its own KV heads' cache), then the
+        process group: the engine's runner."""
         try:
-            d.put(self.store, "blocks", {"num_blocks": num_blocks})
+            d.put(self.store, "blocks", {"num_blocks": num_blocks,
+                                         "kv_dtype": str(kv_dtype).removeprefix("torch.") if kv_dtype else None})
             self.ranks = self._wait_all("ready")
             self.pg = self._connect()
             self.reduce.group = self.pg
@@ -127,7 +130,7 @@ class RankGroup:
             threading.Thread(target=self._watch, args=(rank, proc), name=f"infer-tp-watch-{rank}", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="infer-tp-heartbeat", daemon=True).start()
         model.logits = functools.partial(self._dense_logits, model)
-        runner = TensorParallelRunner(model, num_blocks, block_size, kernels, tuning, self)
+        runner = TensorParallelRunner(model, num_blocks, block_size, kernels, tuning, self, kv_dtype)
         runner.max_threads = self.threads
         return runner
 
@@ -309,8 +312,8 @@ def _reap(procs, store, grace: float = 2.0) -> None:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's ModelRunner: each step's inputs go to every rank, then the same forward runs here."""
 
-    def __init__(self, model, num_blocks, block_size, kernels, tuning, group: RankGroup):
-        super().__init__(model, num_blocks, block_size, kernels, tuning)
+    def __init__(self, model, num_blocks, block_size, kernels, tuning, group: RankGroup, kv_dtype=None):
+        super().__init__(model, num_blocks, block_size, kernels, tuning, kv_dtype=kv_dtype)
         self.group = group
 
     @property

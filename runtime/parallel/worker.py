@@ -89,12 +89,13 @@ def run_worker(path: str) -> int:
     from ..engine.model_runner import ModelRunner
 
     try:
-        runner = ModelRunner(model, blocks["num_blocks"], setup["block_size"], model.kernels, tuning)
+        kv_dtype = getattr(torch, blocks["kv_dtype"]) if blocks.get("kv_dtype") else None
+        runner = ModelRunner(model, blocks["num_blocks"], setup["block_size"], model.kernels, tuning, kv_dtype=kv_dtype)
     except Exception as e:  # noqa: BLE001 - e.g. no memory for the KV cache
         d.put(store, f"ready/{rank}", {**me, "error": f"KV cache: {type(e).__name__}: {e}"})
         return 1
     runner.max_threads = threads
-    d.put(store, f"ready/{rank}", me)
+    d.put(store, f"ready/{rank}", {**me, "kv_dtype": str(runner.kv_cache.dtype).removeprefix("torch.")})
     reduce.group = pg = d.connect(store, rank, world)
     return serve_steps(pg, runner, rank)
 
