@@ -19,7 +19,8 @@ USAGE = """usage: infer-bench {serve,offline,single,tune,structured,speculative,
   quant-speed  batch-1 decode and 256-token prefill of quantized artifacts against bfloat16 (and llama.cpp
             GGUFs), interleaved rounds, each against its own bandwidth floor (no server)
   kv-cache  the int8 KV cache against bfloat16: decode attention at 2k context, the decode step at batch
-            16, capacity at the same memory, optionally the gate's KLD (no server)
+            16, capacity at the same memory, optionally the gate's KLD, chat answers, long prompts, and
+            int8 against fp8 (no server)
   replicas  2 replicas behind the router: prefix-aware against round-robin on a multi-tenant workload
             (hit rate, TTFT); one tenant's TTFT/TPOT while another floods, fair share against FCFS
   sliding-window  the KV blocks a long conversation holds with a sliding window against full attention,

@@ -3,9 +3,11 @@
 Two committed prompt sets (bench/prompts/): ``grounded`` (quoting, extracting from and editing a
 given text: where prompt lookup finds drafts) and ``chat`` (open questions: where it mostly finds
 none, and must not slow decoding down). Each prompt runs alone (batch 1), greedy, to
-``--max-tokens``; the two engines take turns per round. Reported per set: tokens/s of each, the
-speed-up, the mean tokens a verifying step emits (acceptance length) and the share of drafted tokens
-accepted, and whether the outputs were identical. JSON to --json (default
+``--max-tokens``; three engines take turns per round, the order alternating: no speculation, n-gram
+drafts of the adaptive length (at most K, runtime/engine/speculative.py's draft_length) and of K
+always. Reported per set and mode: tokens/s, the speed-up over no speculation, the mean tokens a
+verifying step emits (acceptance length) and the share of drafted tokens accepted, and whether the
+outputs were identical. JSON to --json (default
 $TMPDIR/infer-bench/speculative.json), outside the tree.
 """
 
@@ -27,6 +29,9 @@ def load_set(name: str) -> list[list[dict]]:
     return [json.loads(line)["messages"] for line in (PROMPTS / f"speculative-{name}.jsonl").read_text().splitlines()]
 
 
+MODES = ("off", "adaptive", "fixed")  # no speculation; n-gram with k chosen per step; n-gram with k always K
+
+
 def main(argv=None) -> None:
     from infer.bench.throughput import host_info, save_json
     from infer.runtime import LLM, SamplingParams
@@ -35,29 +40,35 @@ def main(argv=None) -> None:
     p.add_argument("artifact")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--verify-cost", type=float, default=0.4, help="the adaptive k's verify-row cost (C)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dtype", default=None)
     p.add_argument("--json", default=str(Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "infer-bench"
                                          / "speculative.json"))
     args = p.parse_args(argv)
 
-    engines = {mode: LLM(args.artifact, dtype=args.dtype, kv_cache_memory=512 << 20, speculative=mode,
-                         num_speculative_tokens=args.num_speculative_tokens) for mode in ("off", "ngram")}
+    def engine(mode: str):
+        return LLM(args.artifact, dtype=args.dtype, kv_cache_memory=512 << 20,
+                   speculative="off" if mode == "off" else "ngram", num_speculative_tokens=args.num_speculative_tokens,
+                   speculative_adaptive=mode == "adaptive", speculative_verify_cost=args.verify_cost)
+
+    engines = {mode: engine(mode) for mode in MODES}
     tok = engines["off"].tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     for llm in engines.values():  # warm: first-use costs out of the figures
         llm.generate([tok.apply_chat_template([{"role": "user", "content": "Say hi. Say hi."}])], params)
     report = {"host": host_info(), "kernels": engines["off"].engine.kernels.describe(engines["off"].engine.model.dtype),
               "artifact": str(args.artifact), "max_tokens": args.max_tokens,
-              "num_speculative_tokens": args.num_speculative_tokens, "sets": {}}
+              "num_speculative_tokens": args.num_speculative_tokens, "verify_cost": args.verify_cost, "sets": {}}
+    keys = ("spec_steps", "spec_drafted", "spec_accepted", "spec_emitted")
     for name in SETS:
         prompts = [tok.apply_chat_template(m) for m in load_set(name)]
-        rates = {"off": [], "ngram": []}
+        rates = {mode: [] for mode in MODES}
         texts = {}
-        stats0 = dict(engines["ngram"].engine.stats)
-        for _ in range(args.rounds):
-            for mode, llm in engines.items():
-                tokens, seconds, outs = 0, 0.0, []
+        stats0 = {mode: dict(llm.engine.stats) for mode, llm in engines.items()}
+        for r in range(args.rounds):
+            for mode in (MODES if r % 2 == 0 else MODES[::-1]):  # the order alternates round to round
+                llm, tokens, seconds, outs = engines[mode], 0, 0.0, []
                 for prompt in prompts:  # one at a time: batch 1
                     t0 = time.perf_counter()
                     out = llm.generate([prompt], params)[0]
@@ -66,20 +77,25 @@ def main(argv=None) -> None:
                     outs.append(out.token_ids)
                 rates[mode].append(tokens / seconds)
                 texts[mode] = outs
-        s = {k: engines["ngram"].engine.stats[k] - stats0[k] for k in ("spec_steps", "spec_drafted", "spec_accepted",
-                                                                       "spec_emitted")}
-        off, on = statistics.median(rates["off"]), statistics.median(rates["ngram"])
-        report["sets"][name] = {
-            "prompts": len(prompts), "tokens_per_s_off": round(off, 1), "tokens_per_s_ngram": round(on, 1),
-            "speedup": round(on / off, 3), "rounds": args.rounds,
-            "acceptance_length": round(s["spec_emitted"] / s["spec_steps"], 2) if s["spec_steps"] else None,
-            "accepted_share": round(s["spec_accepted"] / s["spec_drafted"], 3) if s["spec_drafted"] else None,
-            "identical_outputs": sum(a == b for a, b in zip(texts["off"], texts["ngram"])), **s}
-    print(f"{'set':>9} {'off tok/s':>10} {'ngram tok/s':>12} {'speed-up':>9} {'accept len':>11} {'accepted':>9} "
+        off = statistics.median(rates["off"])
+        row = {"prompts": len(prompts), "rounds": args.rounds, "tokens_per_s_off": round(off, 1),
+               "rounds_off": [round(x, 1) for x in rates["off"]]}
+        for mode in MODES[1:]:
+            s = {k: engines[mode].engine.stats[k] - stats0[mode][k] for k in keys}
+            on = statistics.median(rates[mode])
+            row[mode] = {"tokens_per_s": round(on, 1), "rounds": [round(x, 1) for x in rates[mode]],
+                         "speedup": round(on / off, 3),
+                         "acceptance_length": round(s["spec_emitted"] / s["spec_steps"], 2) if s["spec_steps"] else None,
+                         "accepted_share": round(s["spec_accepted"] / s["spec_drafted"], 3) if s["spec_drafted"] else None,
+                         "identical_outputs": sum(a == b for a, b in zip(texts["off"], texts[mode])), **s}
+        report["sets"][name] = row
+    print(f"{'set':>9} {'mode':>9} {'tok/s':>8} {'off tok/s':>10} {'speed-up':>9} {'accept len':>11} {'accepted':>9} "
           f"{'identical':>10}")
     for name, r in report["sets"].items():
-        print(f"{name:>9} {r['tokens_per_s_off']:>10} {r['tokens_per_s_ngram']:>12} {r['speedup']:>9} "
-              f"{r['acceptance_length']!s:>11} {r['accepted_share']!s:>9} {r['identical_outputs']:>5}/{r['prompts']}")
+        for mode in MODES[1:]:
+            m = r[mode]
+            print(f"{name:>9} {mode:>9} {m['tokens_per_s']:>8} {r['tokens_per_s_off']:>10} {m['speedup']:>9} "
+                  f"{m['acceptance_length']!s:>11} {m['accepted_share']!s:>9} {m['identical_outputs']:>5}/{r['prompts']}")
     save_json(report, Path(args.json))
 
 

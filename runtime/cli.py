@@ -65,9 +65,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(default auto)")
     p.add_argument("--speculative", choices=["off", "ngram"], default="off",
                    help="speculative decoding: ngram drafts from the prompt and output so far (prompt lookup), "
-                        "verified k at a time; greedy requests only (default off)")
+                        "verified k at a time: greedy requests keep their tokens, sampled ones their distribution "
+                        "(default off)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="draft tokens per step with --speculative (default 4)")
+                   help="the most draft tokens a step verifies with --speculative (default 4)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="draft per step the k (up to K) that the sequence's acceptance so far makes pay best; "
+                        "--no-speculative-adaptive always drafts K (default on)")
+    p.add_argument("--speculative-verify-cost", type=float, default=0.4, metavar="C",
+                   help="a verify row's cost in decode steps, which the adaptive k weighs (default 0.4, measured "
+                        "on an AVX2 host; lower where linears are memory-bound)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on cuda with the triton kernels, replay decode steps as a CUDA graph per batch bucket, "
                         "captured at load; --no-cuda-graphs runs every step eagerly (default on)")
@@ -118,7 +125,9 @@ def engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         prefill_batch_tokens=args.prefill_batch_tokens,
                         tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs,
-                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+                        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                        speculative_adaptive=args.speculative_adaptive,
+                        speculative_verify_cost=args.speculative_verify_cost)
 
 
 def retune(args: argparse.Namespace, artifact) -> None:

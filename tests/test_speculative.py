@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from infer.runtime.engine.speculative import accepted_prefix, propose_ngram
+from infer.runtime.engine.speculative import SpeculativeConfig, SpecState, accepted_prefix, draft_length, propose_ngram
 
 
 def test_propose_ngram_continues_the_latest_earlier_match():
@@ -25,6 +25,38 @@ def test_greedy_acceptance_keeps_the_target_tokens():
     assert accepted_prefix([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
     assert accepted_prefix([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
     assert accepted_prefix([4, 5, 6], [1, 5, 6, 7]) == [1]
+
+
+def test_the_adaptive_draft_length_is_the_one_that_pays_best_in_simulation():
+    """draft_length's k against a simulation of verifying steps: each draft token accepted with probability a
+    until the first rejection, a step emitting the accepted tokens and one more and costing 1 + c k decode
+    steps; the k it picks earns within 2% of the simulation's best, for acceptances and costs drawn at random
+    (the seed printed by the fixture)."""
+    rng = random.Random(random.getrandbits(32))
+    for _ in range(12):
+        a, c, most = rng.uniform(0.05, 0.97), rng.uniform(0.05, 1.0), rng.randint(1, 8)
+        config = SpeculativeConfig("ngram", most, verify_cost=c)
+        state = SpecState(accepted=round(a * 100_000), rejected=round((1 - a) * 100_000))
+
+        def earned(k: int, trials: int = 20_000) -> float:
+            emitted = 0
+            for _ in range(trials):
+                n = 0
+                while n < k and rng.random() < a:
+                    n += 1
+                emitted += n + 1
+            return emitted / trials / (1 + c * k)
+
+        rates = {k: earned(k) for k in range(1, most + 1)}
+        chosen = draft_length(state, config)
+        assert 1 <= chosen <= most
+        assert rates[chosen] >= 0.98 * max(rates.values()), (a, c, chosen, rates)
+    # a sequence that has not drafted yet starts at the prior's a = 1/2; fixed k drafts the most
+    assert draft_length(SpecState(), SpeculativeConfig("ngram", 4, verify_cost=0.4)) == 1
+    assert draft_length(SpecState(accepted=50), SpeculativeConfig("ngram", 4, verify_cost=0.4)) == 4
+    assert draft_length(SpecState(rejected=50), SpeculativeConfig("ngram", 4, adaptive=False)) == 4
+    with pytest.raises(ValueError, match="verify_cost"):
+        SpeculativeConfig("ngram", 4, verify_cost=0)
 
 
 def _prompts(tok, seed: int) -> list[str]:
@@ -52,7 +84,8 @@ def _prompts(tok, seed: int) -> list[str]:
 def runs(embedded_artifact):
     """The same 32 greedy requests with speculation off and on, in engines small enough that prompts
     are chunked, prefixes are shared and sequences are preempted (the prompts drawn with a fresh seed,
-    printed)."""
+    printed). On: k = 4 every step (not the adaptive k), so every draft is as long as the lookup finds and
+    the most rejected tokens' blocks are given back."""
     import os
     import secrets
 
@@ -62,8 +95,8 @@ def runs(embedded_artifact):
     print(f"prompt seed {fresh_seed} (INFER_TEST_SEED={fresh_seed} reproduces it)")
     results = {}
     for spec in ("off", "ngram"):
-        llm = LLM(embedded_artifact, speculative=spec, num_speculative_tokens=4, max_num_seqs=4,
-                  max_num_batched_tokens=96, prefill_batch_tokens=64, kv_cache_memory=24 << 20)
+        llm = LLM(embedded_artifact, speculative=spec, num_speculative_tokens=4, speculative_adaptive=False,
+                  max_num_seqs=4, max_num_batched_tokens=96, prefill_batch_tokens=64, kv_cache_memory=24 << 20)
         prompts = _prompts(llm.tokenizer, fresh_seed)
         rng = random.Random(fresh_seed)
         params = [SamplingParams(max_tokens=rng.randint(16, 40), temperature=0,
@@ -147,3 +180,28 @@ def test_sampled_requests_draft_and_stay_reproducible_and_opted_out_ones_do_not(
     assert llm.generate([prompt], params)[0].token_ids == sampled.token_ids  # a seed still reproduces it
     plain = LLM(embedded_artifact, kv_cache_memory=64 << 20)
     assert plain.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0].token_ids == opted_out.token_ids
+
+
+def test_the_adaptive_k_starts_at_one_token_and_grows_as_drafts_hold(embedded_artifact):
+    """A greedy request that repeats its prompt: with the adaptive k its first draft is one token (the prior's
+    a = 1/2 at the default verify cost) and later ones longer; its tokens are the plain engine's."""
+    from infer.runtime import LLM, SamplingParams
+
+    prompt_text = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat"
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    llm = LLM(embedded_artifact, speculative="ngram", kv_cache_memory=64 << 20)
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt_text}])
+    lengths = []
+    propose = llm.engine.proposer.draft
+
+    def recording(seq, room):
+        draft = propose(seq, room)
+        if draft:
+            lengths.append(len(draft))
+        return draft
+
+    llm.engine.proposer.draft = recording
+    out = llm.generate([prompt], params)[0]
+    assert lengths and lengths[0] == 1 and max(lengths) > 1, lengths
+    plain = LLM(embedded_artifact, kv_cache_memory=64 << 20)
+    assert plain.generate([prompt], params)[0].token_ids == out.token_ids

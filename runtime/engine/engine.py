@@ -67,7 +67,9 @@ class EngineConfig:
     cuda_graphs: bool = True
     # speculative decoding: off | ngram (prompt lookup; runtime/engine/speculative.py), k tokens a step
     speculative: str = "off"
-    num_speculative_tokens: int = 4
+    num_speculative_tokens: int = 4  # the most a step drafts
+    speculative_adaptive: bool = True  # k per step from the sequence's acceptance (speculative.draft_length)
+    speculative_verify_cost: float = 0.4  # a verify row's cost in decode steps, which that choice weighs
     # tenancy: tenants' weights and running caps, the per-step prompt budget (infer-run --tenants; None: one tenant)
     fairness: Fairness | None = None
 
@@ -209,7 +211,7 @@ class LLMEngine:
         log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
-        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.artifact.kv_cache_dtype, self.model.dtype, self.kernels, tp)
+        self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.artifact.kv_cache_dtype, self.model.dtype, self.kernels)
         per_block = kv_bytes_per_block(self.model, cfg.block_size, self.kv_dtype) * tp  # a rank holds 1/tp of it
         free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else available_memory()
         budget = cfg.kv_cache_memory or int(free * cfg.kv_cache_fraction)
@@ -229,7 +231,7 @@ class LLMEngine:
                                    cfg.enable_chunked_prefill, cfg.prefill_batch_tokens, cfg.fairness)
         if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
             on["graph_buckets"] = graph_buckets_for(self.device, self.kernels.backend, cfg.cuda_graphs, cfg.max_num_seqs)
-            on["kv_dtype"] = self.kv_dtype
+        on["kv_dtype"] = self.kv_dtype
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
                                                                         self.kernels, self.tuning, **on)
         self.requests: dict[str, _Request] = {}
@@ -238,7 +240,8 @@ class LLMEngine:
         self.grammars = Grammars(self.artifact.path / TOKENIZER, self.model.config.vocab_size,
                                  sorted(self.eos_token_ids))
         self.mask_filler = MaskFiller()
-        spec = SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens)
+        spec = SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens, adaptive=cfg.speculative_adaptive,
+                                 verify_cost=cfg.speculative_verify_cost)
         self.proposer = NgramProposer(spec) if spec.method == "ngram" else None
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_emitted": 0}
@@ -450,6 +453,7 @@ class LLMEngine:
         emit = verify_draft(logits, seq)
         seq.spec.drafted += len(draft)
         seq.spec.accepted += len(emit) - 1
+        seq.spec.rejected += len(emit) - 1 < len(draft)
         self.stats["spec_steps"] += 1
         self.stats["spec_drafted"] += len(draft)
         self.stats["spec_accepted"] += len(emit) - 1

@@ -28,6 +28,15 @@ grammar, logit_bias, logprobs or a per-request opt-out; when the step has at mos
 running sequences (past that, verifying costs more than a draft saves); and while its acceptance
 holds up: from ``probe_tokens`` drafted tokens on, with fewer than ``min_acceptance`` of them
 accepted it stops drafting for good.
+
+How many tokens it drafts (``draft_length``): with ``adaptive`` (the default), the k of at most
+``num_tokens`` that maximizes the tokens a verifying step is expected to emit per unit of its cost.
+Each draft token is taken as accepted with probability a, independently, so a k-token draft emits
+(1 - a^(k+1)) / (1 - a) tokens on average, and a step verifying k tokens costs 1 + c k decode steps
+(c = ``verify_cost``: a verify row's cost relative to a whole decode step, measured on the host, where
+linears bound by compute make extra rows cost more). a is the sequence's own: accepted / (accepted +
+rejections) over its verified drafts (a rejection ends a draft; tokens after it were never judged),
+with one accepted and one rejected token as the prior. Without ``adaptive``, k = ``num_tokens``.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ class SpeculativeConfig:
     # tokens, so drafting pays while the accepted share exceeds c; c measured 0.4 on an AVX2 host
     # (docs/benchmarks/2026-12-03-epyc-zen3-avx2.md), so 0.5 keeps a margin
     min_acceptance: float = 0.5
+    adaptive: bool = True  # k per step from the sequence's acceptance (draft_length); False: always num_tokens
+    verify_cost: float = 0.4  # c above: a verify row's cost in decode steps (0.4 measured on AVX2)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -61,6 +72,9 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens={self.num_tokens}: must be in [1, 16]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes [{self.ngram_min}, {self.ngram_max}]: need 1 <= min <= max")
+        if not 0 < self.verify_cost <= 1:
+            raise ValueError(f"speculative verify_cost={self.verify_cost}: a verify row's cost in decode steps, "
+                             f"in (0, 1]")
 
 
 @dataclass
@@ -69,7 +83,22 @@ class SpecState:
     draft: list[int] = field(default_factory=list)  # unverified tokens at the end of token_ids
     drafted: int = 0
     accepted: int = 0
+    rejected: int = 0  # verified drafts that ended in a rejected token
     off: bool = False
+
+
+def draft_length(state: SpecState, config: SpeculativeConfig) -> int:
+    """The number of tokens to draft this step (the module docstring's rule)."""
+    if not config.adaptive:
+        return config.num_tokens
+    a = (state.accepted + 1) / (state.accepted + state.rejected + 2)
+    best_k, best = 1, 0.0
+    for k in range(1, config.num_tokens + 1):
+        emitted = sum(a ** i for i in range(k + 1))
+        value = emitted / (1 + config.verify_cost * k)
+        if value > best:
+            best_k, best = k, value
+    return best_k
 
 
 def propose_ngram(tokens: list[int], k: int, n_max: int, n_min: int) -> list[int]:
@@ -114,7 +143,7 @@ class NgramProposer:
         if state.drafted >= c.probe_tokens and state.accepted < c.min_acceptance * state.drafted:
             state.off = True
             return []
-        draft = propose_ngram(seq.token_ids, min(c.num_tokens, room), c.ngram_max, c.ngram_min)
+        draft = propose_ngram(seq.token_ids, min(draft_length(state, c), room), c.ngram_max, c.ngram_min)
         if draft:
             state.draft = draft
             seq.token_ids.extend(draft)
