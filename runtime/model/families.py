@@ -3,7 +3,7 @@ per family, the config keys whose values change the maths.
 
 ``ModelConfig.from_hf`` reads a config through ``check_config``, ``infer-build`` calls the same
 function on the source's config.json before any stage runs (so nothing is built that ``infer-run``
-would refuse), and the README's table is ``markdown_table()``. A family's differences are a few
+would refuse), and docs/families.md's table is ``markdown_table()``. A family's differences are a few
 flags here and a few branches in runtime/model/llama.py, not another model file.
 """
 
@@ -291,7 +291,7 @@ def _check_layer_rope(cfg: dict) -> None:
 
 
 def markdown_table() -> str:
-    """The README's table of supported families and keys, made from the declarations above."""
+    """docs/families.md's table of supported families and keys, made from the declarations above."""
     rows = ["| model_type | e.g. | rope_type | q/k norm | biases | head_dim | LM head | sliding_window |",
             "|---|---|---|---|---|---|---|---|"]
     bias = {"attention_bias": "q/k/v/o per `attention_bias`", "qkv": "q/k/v always, o none", "none": "none"}
