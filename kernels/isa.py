@@ -91,6 +91,17 @@ def at_least(name: str) -> bool:
     return _rank(active()) >= _rank(name)
 
 
+def onednn_int8_is_exact() -> bool:
+    """Whether oneDNN's int8 GEMM (``torch._int_mm`` on the CPU) sums exactly in this process. With VNNI
+    (``vpdpbusd``) it does; without, it multiplies offset u8 activations by s8 weights with ``vpmaddubsw``,
+    whose int16 pair sums saturate: on a Zen 5, ``ONEDNN_MAX_CPU_ISA=AVX2`` or ``AVX512_CORE`` gave wrong
+    sums for rows of large codes, ``AVX512_CORE_VNNI`` exact ones."""
+    flags = set(cpu_flags().split())
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper() in ("SSE41", "AVX", "AVX2", "AVX512_CORE")
+    vnni = ("avx512_vnni" in flags and at_least("avx512")) or ("avx_vnni" in flags and active() == native_class())
+    return vnni and not held
+
+
 def compile_flags() -> list[str]:
     """The target flags every kernel of the active class is compiled with."""
     chosen = active()

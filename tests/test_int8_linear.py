@@ -73,12 +73,12 @@ def test_w8a16_matches_float64(m, n, k, bias, fresh_seed):
 
 
 def _torch_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor):
-    """runtime/model/quant_linear.py's W8A8Linear arithmetic (torch._int_mm), and its activation codes."""
+    """runtime/model/quant_linear.py's W8A8Linear arithmetic on exact int32 sums, and its activation codes."""
     from infer.runtime.model.compressed_tensors import Args
     from infer.runtime.model.quant_linear import quantize_activations
 
     codes, xs = quantize_activations(x, Args(8, "int", "token", dynamic=True), None)
-    acc = torch._int_mm(codes, q.t().contiguous()) if x.shape[0] > 16 else codes.int() @ q.int().t()
+    acc = codes.int() @ q.int().t()  # exact (torch._int_mm is not on a CPU without VNNI: kernels/isa.py)
     return (acc.float() * (xs * scale.reshape(1, -1).float())), codes, xs
 
 
@@ -218,3 +218,29 @@ def test_a_mixed_model_steps_in_one_call_with_the_python_loops_bits(embedded_art
     for g, w in zip(got, want):
         assert g.token_ids == w.token_ids
         assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_the_torch_w8a8_linear_sums_exactly_with_or_without_vnni(monkeypatch, split, fresh_seed):
+    """runtime's cpu-w8a8 (torch._int_mm): where oneDNN has no VNNI its int16 pair sums saturate, so the
+    weight is split in halves that cannot (kernels/isa.onednn_int8_is_exact); both ways give the exact sums.
+    ``split``: the halves forced on (the path of a CPU without VNNI), or the plain call where it is exact here."""
+    from infer.kernels import isa as isa_module
+    from infer.runtime.model.compressed_tensors import Args, QuantWeight
+    from infer.runtime.model.quant_linear import W8A8Linear
+
+    if not split and not isa_module.onednn_int8_is_exact():
+        pytest.skip("this CPU (or the forced class) has no VNNI: oneDNN's plain int8 GEMM saturates here, and "
+                    "the split case ran")
+    monkeypatch.setattr(isa_module, "onednn_int8_is_exact", lambda: not split)
+    gen = torch.Generator().manual_seed(fresh_seed)
+    n, k = 64, 512
+    q, scale = _weight(n, k, gen)
+    w = QuantWeight(Args(8, "int", "channel"), Args(8, "int", "token", dynamic=True), q, scale.reshape(-1, 1))
+    linear = W8A8Linear(w, None, torch.float32)
+    assert linear.split == split
+    x = torch.randn(40, k, generator=gen) * 3
+    x[:, :8] = -50.0  # rows of extreme codes against the -128 weights: pair sums past int16
+    got = linear(x)
+    ref, _, _ = _torch_w8a8(x, q, scale)
+    assert torch.equal(got, ref)

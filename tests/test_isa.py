@@ -3,7 +3,10 @@ checked against float64; a forced class is held to its instructions."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,3 +115,28 @@ def test_the_resolver_names_the_class_it_chose():
     assert described["isa"] == isa.active()
     if isa.at_least("avx2"):
         assert described["linear"] in ("blocks", "amx") and described.get("step_layers") == "cpp", described
+
+
+# The test files of the kernels whose code differs by class (attention, int8 and int4 linears, layer ops): the
+# suite runs them at this CPU's own class; each class below it runs them again in a process started with
+# INFER_ISA set, so every host checks every path it can execute against its reference.
+KERNEL_TESTS = ("test_kernels.py", "test_int8_linear.py", "test_int4_linear.py", "test_layer_ops.py")
+
+
+def _lower_classes():
+    native = isa.native_class()
+    top = -1 if native is None else isa.CLASSES.index(native)
+    return [pytest.param(c, marks=pytest.mark.skipif(i >= top, reason=(
+        f"{c} is this CPU's own class: the suite itself ran these tests" if i == top else
+        f"this CPU's highest class is {native}: {c} code cannot execute here"))) for i, c in enumerate(isa.CLASSES)]
+
+
+@pytest.mark.parametrize("cls", _lower_classes())
+def test_the_kernel_tests_pass_under_each_lower_class(cls):
+    here = Path(__file__).parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                         cwd=here, env={**os.environ, "INFER_ISA": cls}, capture_output=True, text=True, timeout=1200)
+    tail = run.stdout[-4000:] + run.stderr[-2000:]
+    print(tail)
+    assert run.returncode == 0, f"INFER_ISA={cls}: {tail}"
+    assert " passed" in run.stdout, tail

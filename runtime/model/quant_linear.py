@@ -253,19 +253,35 @@ class Int8WeightLinear(QuantLinear):
 
 
 class W8A8Linear(QuantLinear):
-    """int8 weights and int8 per-token activations: ``torch._int_mm`` with int32 accumulation."""
+    """int8 weights and int8 per-token activations: ``torch._int_mm`` with int32 accumulation.
+
+    On a CPU without VNNI oneDNN's int8 GEMM saturates int16 pair sums (kernels/isa.onednn_int8_is_exact),
+    so there the weight is split, w = 2 hi + lo with hi in [-64, 63] and lo in {0, 1}: every pair sum of
+    either half fits int16 (255 x 64 x 2 < 32768), and 2 (x . hi) + x . lo is the exact sum, at twice the
+    multiplies."""
     backend = "cpu-w8a8"
 
     def __init__(self, w: QuantWeight, bias, dtype):
+        from infer.kernels import isa
+
         super().__init__(w, bias, dtype)
         self.args, self.out_dtype = w.inputs, dtype
-        self.register_buffer("weight_t", w.q.t().contiguous(), persistent=False)  # [K, N]
+        self.split = w.q.device.type == "cpu" and not isa.onednn_int8_is_exact()
+        q = w.q.t().contiguous()  # [K, N]
+        if self.split:
+            hi = torch.div(q, 2, rounding_mode="floor")
+            self.register_buffer("weight_t", hi, persistent=False)
+            self.register_buffer("weight_lo_t", q - 2 * hi, persistent=False)
+        else:
+            self.register_buffer("weight_t", q, persistent=False)
         self.register_buffer("wscale", w.scale.reshape(1, -1).float(), persistent=False)
         self.register_buffer("input_scale", w.input_scale, persistent=False)
 
     def matmul(self, x):
         xq, xs = quantize_activations(x, self.args, self.input_scale)
         acc = torch._int_mm(xq, self.weight_t)
+        if self.split:
+            acc = 2 * acc + torch._int_mm(xq, self.weight_lo_t)
         return (acc.float() * (xs * self.wscale)).to(x.dtype)
 
 
