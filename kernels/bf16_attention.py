@@ -1,10 +1,12 @@
-"""Attention of prompt chunks on AVX-512 BF16 (kernels/csrc/bf16_attention.cpp), over the paged cache.
+"""Attention of prompt chunks on AVX-512 (kernels/csrc/bf16_attention.cpp), over the paged cache.
 
-What every prompt chunk runs at every layer on a CPU with AVX-512 BF16: a fresh prompt (nothing
-cached) and a chunk after cached tokens alike, reading K and V in place through the block table.
+What every prompt chunk runs at every layer on the `avx512bf16` class (vdpbf16ps) and the `avx512` class
+(the same bfloat16 pairs widened, two FMAs): a fresh prompt (nothing cached) and a chunk after cached
+tokens alike, reading K and V in place through the block table.
 torch's bfloat16 flash SDPA takes ~2 ms a layer for a 256-token prompt of the embedded model on a
 2-core Zen 4; this kernel is measured against it in bench/attention.py. ``load()`` gives the module
-only where it can run (the CPU has ``avx512_bf16`` and the source builds). ``chunk_attention`` has
+only where it can run (the active class has AVX-512 and the source builds); ``name()`` is the build's
+class, as the load log and benchmarks print it. ``chunk_attention`` has
 kernels.amx_attention's signature and checks every chunk's rows, context and block ids first,
 raising RuntimeError naming the bad entry.
 """
@@ -15,16 +17,22 @@ from functools import lru_cache
 
 import torch
 
-from .extension import build, cpu_has_avx512_bf16
+from . import isa
+from .extension import build
 
 
 @lru_cache(maxsize=1)
 def load() -> object | None:
     """The compiled module (``chunk_attention``), or None where it cannot run or be built."""
-    if not cpu_has_avx512_bf16():
+    if not isa.at_least("avx512"):
         return None
     module = build("infer_bf16_attention", "bf16_attention.cpp", ["-fopenmp"])
     return module if module is not None and module.available() else None
+
+
+def name() -> str:
+    """avx512bf16 | avx512: the instructions this class's build multiplies with."""
+    return "avx512bf16" if isa.at_least("avx512bf16") else "avx512"
 
 
 def fits(dtype: torch.dtype, head_dim: int) -> bool:

@@ -82,13 +82,15 @@ class KernelSet:
 
 
 def _chunk_kernel_name(kernel: Callable | None) -> str:
-    """amx | avx512bf16 | torch-sdpa: which prompt-chunk kernel ``kernel`` is."""
+    """amx | avx512bf16 | avx512 | torch-sdpa: which prompt-chunk kernel ``kernel`` is."""
     if kernel is None:
         return "torch-sdpa"
     from . import amx_attention
 
     amx = amx_attention.load() if cpu_has_amx() else None
-    return "amx" if amx is not None and kernel is amx.chunk_attention else "avx512bf16"
+    from . import bf16_attention
+
+    return "amx" if amx is not None and kernel is amx.chunk_attention else bf16_attention.name()
 
 
 def _amx_wanted(amx: bool | None) -> bool:
@@ -151,8 +153,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
             module = amx_attention.load()
             chunk = module.chunk_attention if module is not None else None
     prefill = chunk  # AMX tiles attend fresh prompts too: 1.3-2.7x the AVX-512 BF16 kernel's speed (40-1024 tokens)
-    if prefill is None and bf16_attention.fits(dtype, head_dim) and cpu_has_avx512_bf16():
-        module = need(bf16_attention.load(), "AVX-512 BF16 attention")
+    if prefill is None and bf16_attention.fits(dtype, head_dim) and isa.at_least("avx512"):
+        module = need(bf16_attention.load(), "AVX-512 chunk attention")
         prefill = module.chunk_attention if module is not None else None
     linear_bf16 = fused = None
     if dtype == torch.bfloat16 and linear_amx is None and isa.at_least("avx2"):

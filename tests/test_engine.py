@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import AMX_MODES
-from infer.kernels.extension import cpu_has_avx512_bf16
+from infer.kernels import bf16_attention
 from infer.runtime import LLM, LLMEngine, SamplingParams
 from infer.runtime.model import ModelConfig
 
@@ -212,7 +212,7 @@ def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_
         described = llm.engine.kernels.describe(torch.bfloat16)
         print(kernels, budget, described)
         want_kernel = "torch-sdpa" if kernels == "torch" else "amx" if amx else (
-            "avx512bf16" if cpu_has_avx512_bf16() else "torch-sdpa")
+            bf16_attention.name() if bf16_attention.load() is not None else "torch-sdpa")
         assert described["chunk_attention"] == want_kernel
         out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
         if budget:
@@ -223,5 +223,5 @@ def test_bfloat16_chunks_after_cached_tokens_match_a_whole_prompt_pass(embedded_
     assert 0 < torch_mean < 0.1  # bfloat16 against float32, summed over 30 layers
     assert diffs["cpp", 32].mean() <= 1.5 * torch_mean + 0.01, diffs
     assert diffs["cpp", 32].max() <= 2 * diffs["torch", 32].max() + 0.05, diffs
-    if described["chunk_attention"] in ("avx512bf16", "amx") and described["linear"] in ("blocks", "amx"):
+    if described["chunk_attention"] in ("avx512bf16", "avx512", "amx") and described["linear"] in ("blocks", "amx"):
         assert torch.equal(logprobs["cpp", 32], logprobs["cpp", None])

@@ -10,17 +10,17 @@ import pytest
 import torch
 
 from conftest import AMX_MODES
-from infer.kernels import isa, step_layers
-from infer.kernels.resolver import cpu_has_amx, cpu_has_avx512_bf16
+from infer.kernels import bf16_attention, isa, step_layers
+from infer.kernels.resolver import cpu_has_amx
 from infer.runtime import LLM, SamplingParams
 
 FUSED = step_layers.load()
-CHUNKS = FUSED is not None and FUSED.has_chunk_attention()  # prompt chunks in the call too (AVX-512 BF16 and up)
+CHUNKS = FUSED is not None and FUSED.has_chunk_attention()  # prompt chunks in the call too (AVX-512 and up)
 
 
 def test_the_fused_step_kernel_is_built_on_every_class_from_avx2():
     assert (FUSED is not None) == isa.at_least("avx2")
-    assert CHUNKS == (FUSED is not None and cpu_has_avx512_bf16())
+    assert CHUNKS == (FUSED is not None and isa.at_least("avx512"))
     # AMX's linears and chunk attention are built in where the CPU has AMX, and only there
     assert FUSED is None or FUSED.has_amx() == cpu_has_amx()
 
@@ -48,7 +48,7 @@ def _two_engines(artifact, amx, **engine_args):
     plain = LLM(artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=amx, **engine_args)
     kernels = fused.engine.kernels.describe(torch.bfloat16)
     assert fused.engine.model.fused_step is not None, kernels
-    chunk = "amx" if amx else "avx512bf16" if CHUNKS else "torch-sdpa"
+    chunk = "amx" if amx else bf16_attention.name() if CHUNKS else "torch-sdpa"
     assert kernels["linear"] == ("amx" if amx else "blocks"), kernels
     assert kernels["chunk_attention"] == kernels["prefill_attention"] == chunk, kernels
     plain.engine.model.fused_step = None

@@ -230,8 +230,8 @@ def test_store_kv_writes_what_index_copy_writes(dtype):
 AMX_ATTENTION = __import__("infer.kernels.amx_attention", fromlist=["load"]).load()
 BF16_ATTENTION = __import__("infer.kernels.bf16_attention", fromlist=["load"]).load()
 CHUNK_KERNELS = [
-    pytest.param("amx", marks=pytest.mark.skipif(AMX_ATTENTION is None, reason="this CPU has no AMX: the AMX chunk kernel cannot run here; the avx512bf16 case and gather + padded SDPA ran")),
-    pytest.param("avx512bf16", marks=pytest.mark.skipif(BF16_ATTENTION is None, reason="this CPU has no AVX-512 BF16: that kernel cannot run here; gather + padded SDPA, what such a host runs, ran")),
+    pytest.param("amx", marks=pytest.mark.skipif(AMX_ATTENTION is None, reason="this CPU has no AMX: the AMX chunk kernel cannot run here; the avx512 case and gather + padded SDPA ran")),
+    pytest.param("avx512", marks=pytest.mark.skipif(BF16_ATTENTION is None, reason="this CPU class has no AVX-512: that kernel cannot run here; gather + padded SDPA, what such a host runs, ran")),
 ]
 
 
@@ -248,12 +248,13 @@ def test_amx_chunk_attention_is_used_wherever_the_cpu_has_amx():
         assert described["linear"] == "amx" and described["step_layers"] == "cpp", described
 
 
-def test_avx512_bf16_attention_is_built_wherever_the_cpu_has_the_instructions():
-    from infer.kernels.resolver import cpu_has_avx512_bf16, resolve
+def test_avx512_chunk_attention_is_built_wherever_the_class_has_avx512():
+    from infer.kernels import bf16_attention, isa
+    from infer.kernels.resolver import resolve
 
-    assert (BF16_ATTENTION is not None) == cpu_has_avx512_bf16()
+    assert (BF16_ATTENTION is not None) == isa.at_least("avx512")
     kernels = resolve("auto", amx=False, dtype=torch.bfloat16)
-    want = "avx512bf16" if BF16_ATTENTION is not None else "torch-sdpa"
+    want = bf16_attention.name() if BF16_ATTENTION is not None else "torch-sdpa"
     assert kernels.describe()["prefill_attention"] == kernels.describe()["chunk_attention"] == want
 
 

@@ -1,4 +1,10 @@
 // Vectorised float32 math shared by the CPU kernels.
+//
+// No multiply here is left for the compiler to fuse with an add: step_layers.cpp includes this header where
+// contraction is off (for its layer ops) and the attention modules where it is on, so a fusable pair would
+// round differently in the one-call step than in the Python layer loop (a bfloat16 probability now and then
+// one step apart: tests/test_fused_step.py compares the two bit for bit). Each multiply-add is an explicit
+// FMA, the same instruction in every build.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -10,9 +16,9 @@ namespace infer {
 __attribute__((always_inline)) inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(t, n);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_fmsub_ps(x, log2e, n);  // x log2 e - n, rounded once
   __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
@@ -41,9 +47,9 @@ namespace infer {
 // Inputs below -87 give e^-87; large ones saturate to infinity.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_fmsub_ps(x, log2e, n);  // x log2 e - n, rounded once
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
@@ -78,7 +84,7 @@ inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, fl
     const int64_t live = visible - j >= 16 ? 16 : visible - j > 0 ? visible - j : 0;
     const __mmask16 lanes = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
     const __m512 e = _mm512_maskz_mov_ps(
-        lanes, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale), m)));
+        lanes, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale, m)));  // scale s - max
     const __m512i rounded = bf16_round_bits(e);
     const __mmask16 store = width - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - j)) - 1);
     _mm256_mask_storeu_epi16(p + j, store, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
