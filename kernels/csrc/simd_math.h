@@ -4,7 +4,7 @@
 // contraction is off (for its layer ops) and the attention modules where it is on, so a fusable pair would
 // round differently in the one-call step than in the Python layer loop (a bfloat16 probability now and then
 // one step apart: tests/test_fused_step.py compares the two bit for bit). Each multiply-add is an explicit
-// FMA, the same instruction in every build.
+// FMA or an explicit barrier between the two, the same instructions in every build.
 #pragma once
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
@@ -16,9 +16,10 @@ namespace infer {
 __attribute__((always_inline)) inline __m256 exp8(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
   x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_fmsub_ps(x, log2e, n);  // x log2 e - n, rounded once
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  __asm__("" : "+x"(t));  // t rounded, never fused into f's subtraction (see the top of the file)
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(t, n);
   __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
   p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
@@ -47,9 +48,10 @@ namespace infer {
 // Inputs below -87 give e^-87; large ones saturate to infinity.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_fmsub_ps(x, log2e, n);  // x log2 e - n, rounded once
+  __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  __asm__("" : "+v"(t));  // t rounded, never fused into f's subtraction (see the top of the file)
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
