@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
                    int4_linear, int8_linear, layer_ops, step_layers)
     from . import isa
     from .extension import cache_root
-    from .resolver import cpu_has_amx, cpu_has_avx512_bf16
+    from .resolver import cpu_has_amx
 
     print(f"CPU class: {isa.active()} (this CPU's own: {isa.native_class()}; INFER_ISA forces a lower one)")
     kernels = {"layer_ops": layer_ops.load, "paged_attention": cpu_attention.load}
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     if isa.at_least("avx2"):
         kernels |= {"bf16_linear": bf16_linear.load, "int4_linear": int4_linear.load,
                     "int8_linear": int8_linear.load, "step_layers": step_layers.load}
-    if cpu_has_avx512_bf16():
+    if isa.at_least("avx512"):
         kernels |= {"bf16_attention": bf16_attention.load}
     failed = []
     for name, load in kernels.items():
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print("amx_linear, amx_attention: not built (this CPU has no AMX)")
     if not isa.at_least("avx2"):
         print("bf16_linear, int4_linear, int8_linear, step_layers: not built (this CPU has no AVX2 + FMA)")
-    if not cpu_has_avx512_bf16():
-        print("bf16_attention: not built (no AVX-512 BF16 in the active class)")
+    if not isa.at_least("avx512"):
+        print("bf16_attention: not built (no AVX-512 in the active class)")
     print(f"cache: {cache_root()}")
     if failed:  # not fatal: the runtime falls back to torch ops and says so; the test suite fails on it
         print(f"not built: {', '.join(failed)} (see the warnings above)")

@@ -41,7 +41,7 @@ def cpu_has_amx() -> bool:
 
 
 def cpu_has_avx512_bf16() -> bool:
-    """Whether the active class has AVX-512 BF16 (vdpbf16ps): the chunk attention and int4 kernels need it."""
+    """Whether the active class has AVX-512 BF16 (vdpbf16ps), which the tuning table records."""
     return isa.at_least("avx512bf16")
 
 

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from . import isa
-from .extension import cpu_has_amx, cpu_has_avx512_bf16
+from .extension import cpu_has_amx
 
 log = logging.getLogger("infer.kernels")
 BACKENDS = ("auto", "cpp", "torch", "triton")
