@@ -83,7 +83,7 @@ class CalibSpec:
 
 @dataclass
 class TuneSpec:
-    # the tune stage (pipeline/tune.py, runtime/tuning.py): times the runtime's kernel alternatives per
+    # the tune stage (pipeline/tune.py, runtime/tuning_measure.py): times the runtime's kernel alternatives per
     # batch-size bucket on the build machine and writes tuning.json into the artifact
     enabled: bool = True
     batch_buckets: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])

@@ -1,5 +1,5 @@
 """The tune stage: the packaged artifact plus ``tuning.json``, the runtime's kernel choices per
-batch-size bucket measured on this machine (runtime/tuning.py says what is timed and the rule).
+batch-size bucket measured on this machine (runtime/tuning_measure.py says what is timed and the rule).
 Where a CUDA GPU is present the measurement also captures the decode CUDA graphs once as a check
 (tuning.json's ``gpu`` section); without one it records nothing about graphs.
 
@@ -17,7 +17,8 @@ import logging
 from pathlib import Path
 
 from infer.runtime.artifact import MANIFEST, sha256_file, write_manifest
-from infer.runtime.tuning import FILE, Tuning, TuningError, hardware, measure, write
+from infer.runtime.tuning import FILE, Tuning, TuningError, hardware, write
+from infer.runtime.tuning_measure import measure
 
 from .config import BuildConfig
 from .stage import StageResult, content_key, link_tree, run_stage
@@ -67,7 +68,7 @@ def _measure(packaged: Path, out: Path, buckets: list[int]) -> dict:
     table = measure(packaged, buckets)
     write(table, out / FILE)
     log.info("tune: measured in %.1fs on %s", table["seconds"], table["hardware"]["cpu"])
-    graphs = table.get("gpu", {}).get("cuda_graphs")  # only where a CUDA GPU is present (runtime/tuning.gpu_check)
+    graphs = table.get("gpu", {}).get("cuda_graphs")  # only where a CUDA GPU is present (runtime/tuning_measure.gpu_check)
     if graphs is not None:
         log.info("tune: on %s, %s", table["gpu"]["device"],
                  f"CUDA graphs of decode buckets {graphs['buckets']} captured and replayed" if graphs["validated"]

@@ -134,7 +134,8 @@ def retune(args: argparse.Namespace, artifact) -> None:
     """Measures this machine's table beside the artifact (the verified directory stays as it is)."""
     import torch
 
-    from .tuning import measure, write
+    from .tuning import write
+    from .tuning_measure import measure
 
     path = artifact.path.with_name(artifact.path.name + ".tuning.json")
     print("infer-run: measuring kernel choices on this machine (--retune) ...", file=sys.stderr, flush=True)

@@ -1,35 +1,14 @@
-"""Kernel tuning per batch-size bucket: measured on the machine, kept as ``tuning.json``, applied when
-the hardware matches.
+"""The kernel tuning table, ``tuning.json``: its format, the hardware it is valid for, and the
+choices the runtime reads from it per batch-size bucket.
 
-The runtime makes three choices by a fixed rule that the machine may disagree with; tuning times
-the real alternatives with the model's real shapes and records every timing and the choice:
-
-- ``linear``: per bfloat16 linear shape, AMX tiles / column blocks (kernels/bf16_linear.py) / oneDNN's packed layout /
-  plain ``F.linear``
-  (the weight layout is fixed at load, so one kernel per shape: the one with the least time summed
-  over the buckets);
-- ``decode_attention``: per bucket (decode sequences in a step), the C++ paged kernel or gather +
-  SDPA (both read the same cache, so this switches step by step);
-- ``threads``: per bucket (rows in a step), how many of the cores a step uses (not chosen on a busy
-  machine, where fewer threads win only because other work holds the cores).
-
-Decided, not raced: each candidate is run ``WARMUP`` times, then timed ``REPEATS`` times, and
-keeps its fastest and its median run (other work on the machine only ever adds time, so the
-fastest run is the steadiest estimate, and the median guards against one lucky run). An
-alternative replaces the default only when both its fastest and its median are at least
-``MARGIN`` below the default's; ties are broken by the fixed order of the candidates. The load
-average when measuring is recorded: a table measured on a busy machine says so. Quantized linears are not tuned: each scheme
-has one fast backend, and the fallback (dequantize per call) is several times slower.
-
-A table measured elsewhere is ignored with one warning naming what differs (never a refusal); the
-build's ``tune`` stage writes one into the artifact, ``infer-run ART --retune`` writes one next to it.
-
-On a machine with a CUDA GPU the table also gets a ``gpu`` section: the model loaded on the GPU with
-the triton kernels, every decode bucket's CUDA graph captured and replayed against the eager step
-(``gpu_check``); a capture that fails fails the measurement (without triton, or under its
-interpreter, the section says so and claims nothing). Without a GPU there is no such section:
-the table claims nothing about graphs. (The choices above are the CPU's: the runtime does not apply
-them on CUDA.)
+A table holds, for the machine it was measured on (runtime/tuning_measure.py says what is timed and
+the rule): per bfloat16 linear shape, the kernel the loader packs it for (``linear``); per bucket of
+decode sequences in a step, the C++ paged kernel or gather + SDPA (``decode_attention``); per bucket
+of rows in a step, how many cores the step uses (``threads``). Each entry keeps every candidate's
+timings, the default and the choice. The runtime follows the table only where its hardware matches
+this machine's: a table measured elsewhere is ignored with one warning naming what differs (never a
+refusal). The build's ``tune`` stage writes one into the artifact, ``infer-run ART --retune`` writes
+one next to it. (The choices are the CPU's: the runtime does not apply them on CUDA.)
 """
 
 from __future__ import annotations
@@ -39,25 +18,14 @@ import json
 import logging
 import os
 import platform
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from .artifact import CONFIG
-from .engine.block_manager import BLOCK_SIZE
-
 log = logging.getLogger("infer.tuning")
 FILE = "tuning.json"
 FORMAT, VERSION = "infer-tuning", 1
-REPEATS, WARMUP, MARGIN = 7, 2, 0.10
-LINEAR_ORDER = ("amx", "blocks", "onednn", "torch")
-ATTENTION_ORDER = ("cpp", "torch-sdpa")
-CONTEXT = 256  # tokens of context per sequence when timing decode attention and steps
-RULE = (f"fastest and median of {REPEATS} timed runs after {WARMUP} warm-up runs; an alternative replaces the "
-        f"default only when both are at least {MARGIN:.0%} below the default's; ties broken by candidate order")
 
 
 class TuningError(ValueError):
@@ -90,34 +58,14 @@ def differences(table_hw: dict, here: dict) -> list[str]:
     return [f"{k}: table {table_hw.get(k)!r}, here {here.get(k)!r}" for k in sorted(here) if table_hw.get(k) != here[k]]
 
 
-def decide(timings: dict[str, dict], default: str, order) -> str:
-    """The rule: the candidate with the fastest run, if both its fastest and its median beat the
-    default's by MARGIN; else the default. ``timings``: {candidate: {"min": s, "median": s}}."""
-    rank = {c: i for i, c in enumerate(order)}
-    best = min(timings, key=lambda c: (timings[c]["min"], rank.get(c, len(rank))))
-    wins = all(timings[best][k] <= (1 - MARGIN) * timings[default][k] for k in ("min", "median"))
-    return best if wins else default
-
-
 def bucket_for(n: int, buckets: list[int]) -> int:
     """The smallest bucket holding n (the largest when n exceeds them all)."""
     return next((b for b in buckets if b >= n), buckets[-1])
 
 
-def _time(fn, repeats: int = REPEATS, warmup: int = WARMUP) -> dict:
-    """{"min": fastest, "median": median} seconds of ``repeats`` runs after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return {"min": min(times), "median": statistics.median(times)}
-
-
-def _summed(per_bucket: dict[str, dict]) -> dict:
-    return {k: sum(t[k] for t in per_bucket.values()) for k in ("min", "median")}
+def shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
+    """A linear shape's key in the table's ``linear`` section: ``1536x576:bfloat16``."""
+    return f"{in_features}x{out_features}:{str(dtype).removeprefix('torch.')}"
 
 
 @dataclass
@@ -152,7 +100,7 @@ class Tuning:
     def linear(self, in_features: int, out_features: int, dtype: torch.dtype, runnable=None) -> str | None:
         """The table's kernel for a shape; None (the default) where it has none, or where this runtime
         can run a kernel (``runnable``: their names) that the table never timed against its choice."""
-        key = _shape_key(in_features, out_features, dtype)
+        key = shape_key(in_features, out_features, dtype)
         entry = self.table.get("linear", {}).get(key)
         if not entry:
             return None
@@ -181,229 +129,6 @@ class Tuning:
                 if str(entry["choice"]) != str(entry["default"]):
                     out.append(f"{section}[{key}]: {entry['default']} -> {entry['choice']}")
         return out
-
-
-def _shape_key(in_features: int, out_features: int, dtype: torch.dtype) -> str:
-    return f"{in_features}x{out_features}:{str(dtype).removeprefix('torch.')}"
-
-
-# ---------------------------------------------------------------------------- measuring
-
-def _linear_candidates(weight: torch.Tensor, kernels) -> dict:
-    """The modules one bfloat16 linear can run as, by kernel name (those this machine can run)."""
-    from torch import nn
-
-    from infer.kernels import amx_linear, bf16_linear
-
-    from .model.packed_linear import PackedLinear
-
-    plain = nn.Linear(weight.shape[1], weight.shape[0], bias=False, dtype=weight.dtype).requires_grad_(False)
-    plain.weight.copy_(weight)
-    out = {}
-    if kernels.amx_linear is not None and amx_linear.fits(weight):
-        out["amx"] = PackedLinear(plain, "amx", kernels.amx_linear)
-    if kernels.bf16_linear is not None and bf16_linear.fits(weight):
-        out["blocks"] = PackedLinear(plain, "blocks", kernels.bf16_linear)
-    if kernels.onednn_linear:
-        out["onednn"] = PackedLinear(plain)
-    out["torch"] = plain
-    return out
-
-
-def measure_linears(shapes: set[tuple[int, int]], dtype: torch.dtype, buckets: list[int], kernels,
-                    default_of) -> dict:
-    """Per shape: every candidate's median time per bucket, the default and the choice."""
-    gen = torch.Generator().manual_seed(0)
-    result = {}
-    for n_in, n_out in sorted(shapes):
-        weight = (torch.randn(n_out, n_in, generator=gen) * 0.02).to(dtype)
-        candidates = _linear_candidates(weight, kernels)
-        default = default_of(n_in, n_out)
-        if len(candidates) < 2 or default not in candidates:
-            continue
-        timings = {name: {} for name in candidates}
-        with torch.inference_mode():
-            for b in buckets:
-                x = torch.randn(b, n_in, generator=gen).to(dtype)
-                for name, module in candidates.items():
-                    timings[name][str(b)] = _time(lambda: module(x))
-        totals = {name: _summed(t) for name, t in timings.items()}
-        result[_shape_key(n_in, n_out, dtype)] = {"seconds": timings, "total_seconds": totals, "default": default,
-                                                  "choice": decide(totals, default, LINEAR_ORDER)}
-    return result
-
-
-def _context_tokens(model) -> int:
-    """CONTEXT, or less for a model with fewer positions (the new token needs one of its own)."""
-    return min(CONTEXT, model.config.max_position_embeddings - 1)
-
-
-def _decode_context(model, kernels, decodes: int, block_size: int, use_kernel: bool, layers: int | None = None):
-    """A decodes-only attention context over a synthetic cache with CONTEXT tokens a sequence
-    (for ``layers`` layers: all of the model's by default)."""
-    from .engine.attention import PagedAttention
-
-    cfg = model.config
-    context = _context_tokens(model)
-    per_seq = -(-(context + 1) // block_size)
-    blocks = decodes * per_seq + 1
-    # zeros: attention's cost does not depend on the values, and a memset is much cheaper than randn
-    cache = torch.zeros(layers or cfg.num_layers, 2, blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
-    tables = torch.arange(1, blocks).view(decodes, per_seq)
-    lens = torch.full((decodes,), context + 1)
-    slots = tables[:, context // block_size] * block_size + context % block_size
-    return PagedAttention(cache, block_size, slots, [], torch.arange(decodes), tables, lens,
-                          kernels.decode_attention if use_kernel else None,
-                          kernels.store_kv if use_kernel else None, None)
-
-
-def measure_attention(model, kernels, buckets: list[int], block_size: int) -> dict:
-    """Per bucket: one layer's decode attention through the C++ kernel and through gather + SDPA."""
-    if kernels.decode_attention is None:
-        return {}
-    cfg = model.config
-    gen = torch.Generator().manual_seed(1)
-    result = {}
-    for b in buckets:
-        q = torch.randn(b, cfg.num_heads, cfg.head_dim, generator=gen).to(model.dtype)
-        k = torch.randn(b, cfg.num_kv_heads, cfg.head_dim, generator=gen).to(model.dtype)
-        timings = {}
-        for name, use in (("cpp", True), ("torch-sdpa", False)):
-            ctx = _decode_context(model, kernels, b, block_size, use, layers=1)
-            timings[name] = _time(lambda: ctx.attend(0, q, k, k))
-        result[str(b)] = {"seconds": timings, "default": "cpp", "choice": decide(timings, "cpp", ATTENTION_ORDER)}
-    return result
-
-
-def measure_threads(model, kernels, buckets: list[int], block_size: int) -> dict:
-    """Per bucket: a whole decode step of the model (b rows) at each thread count up to the cores."""
-    cores = len(os.sched_getaffinity(0))
-    default = torch.get_num_threads()
-    counts = sorted({default, *range(1, cores + 1)}, reverse=True)
-    if len(counts) < 2:
-        return {}
-    order = [str(c) for c in counts]
-    result = {}
-    try:
-        for b in buckets:
-            ids = torch.randint(0, model.config.vocab_size, (b,), generator=torch.Generator().manual_seed(2))
-            positions = torch.full((b,), _context_tokens(model))
-            ctx = _decode_context(model, kernels, b, block_size, True)
-            timings = {}
-            for c in counts:
-                torch.set_num_threads(c)
-                with torch.inference_mode():
-                    timings[str(c)] = _time(lambda: model.compute_logits(model(ids, positions, ctx)),
-                                            repeats=3, warmup=1)
-            result[str(b)] = {"seconds": timings, "default": str(default),
-                              "choice": decide(timings, str(default), order)}
-    finally:
-        torch.set_num_threads(default)
-    return result
-
-
-def measure(model_dir: Path, buckets: list[int], block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None,
-            sections: tuple[str, ...] = ("linear", "decode_attention", "threads")) -> dict:
-    """Times the alternatives on this machine for the model in ``model_dir``; returns the table."""
-    from infer.kernels.resolver import resolve
-
-    from .model import load_model
-    from .model.llama import ModelConfig
-
-    buckets = sorted(set(buckets))
-    if os.getloadavg()[0] > len(os.sched_getaffinity(0)):
-        log.warning("tuning on a busy machine (load average %.1f on %d cores): timings carry other work's noise, "
-                    "which the rule's margin guards against; tune on a quiet machine for the best table",
-                    os.getloadavg()[0], len(os.sched_getaffinity(0)))
-    config = json.loads((Path(model_dir) / CONFIG).read_text())
-    cfg = ModelConfig.from_hf(config)
-    t0 = time.perf_counter()
-    model = load_model(model_dir, dtype, lambda d: resolve("auto", dtype=d, head_dim=cfg.head_dim,
-                                                             block_size=block_size), hf_config=config)
-    kernels = model.kernels
-    table = {"format": FORMAT, "version": VERSION, "hardware": hardware(), "rule": RULE, "buckets": buckets,
-             "dtype": str(model.dtype).removeprefix("torch."), "kernels": kernels.describe(model.dtype),
-             "context_tokens": _context_tokens(model), "load_average": os.getloadavg()[0]}
-    if "linear" in sections:
-        shapes, defaults = set(), {}
-        for module in model.modules():
-            w = getattr(module, "weight", None)
-            if type(module).__name__ in ("Linear", "PackedLinear") and module.in_features and \
-                    (w is None or w.dtype == torch.bfloat16) and model.dtype == torch.bfloat16:
-                shapes.add((module.in_features, module.out_features))
-                defaults[(module.in_features, module.out_features)] = _kernel_of(module)
-        table["linear"] = measure_linears(shapes, model.dtype, buckets, kernels, lambda i, o: defaults[(i, o)])
-    if "decode_attention" in sections:
-        table["decode_attention"] = measure_attention(model, kernels, buckets, block_size)
-    if "threads" in sections:
-        load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0))
-        if load > 0.75 * cores:  # other work holds cores: fewer threads would "win" for the wrong reason
-            table["skipped"] = {"threads": f"load average {load:.1f} on {cores} cores: kept the default"}
-            log.warning("tuning: not choosing thread counts on a busy machine (load %.1f on %d cores)", load, cores)
-        else:
-            table["threads"] = measure_threads(model, kernels, buckets, block_size)
-    if torch.cuda.is_available():
-        table["gpu"] = gpu_check(model_dir, block_size, dtype)
-    table["seconds"] = round(time.perf_counter() - t0, 1)
-    return table
-
-
-def gpu_check(model_dir: Path, block_size: int = BLOCK_SIZE, dtype: torch.dtype | None = None) -> dict:
-    """Loads the model on the GPU with the triton kernels, captures every decode bucket's CUDA graph as
-    the engine does at load, and replays each against the same step run eagerly (on distinct tokens
-    and positions in padding rows, which write nowhere). Raises when capture or replay fails."""
-    from infer.kernels.resolver import resolve, resolve_device
-
-    from .engine.model_runner import ModelRunner, graph_buckets_for
-    from .model import load_model
-    from .model.llama import ModelConfig
-
-    device = resolve_device("cuda")
-    name = torch.cuda.get_device_name(device)
-    try:
-        from infer.kernels.triton_ops import interpreting
-    except ImportError as e:  # the runtime's GPU path cannot run here either: said, not claimed
-        return {"device": name, "cuda_graphs": {"validated": False, "why": f"triton is not installed ({e})"}}
-    if interpreting():  # (a test run on a GPU machine) the kernels run on the host: nothing to capture
-        return {"device": name, "cuda_graphs": {"validated": False, "why": "TRITON_INTERPRET=1"}}
-    config = json.loads((Path(model_dir) / CONFIG).read_text())
-    cfg = ModelConfig.from_hf(config)
-    t0 = time.perf_counter()
-    model = load_model(model_dir, dtype, lambda d: resolve("triton", dtype=d, head_dim=cfg.head_dim,
-                                                             block_size=block_size, device=device),
-                       hf_config=config, device=device)
-    buckets = graph_buckets_for(device, "triton", True, 1 << 30)  # every bucket
-    num_blocks = -(-cfg.max_position_embeddings // block_size) + 1  # room for the widest block table
-    try:
-        runner = ModelRunner(model, num_blocks, block_size, model.kernels, device=device, graph_buckets=buckets)
-        graphs = runner.graphs
-        worst = 0.0
-        with torch.inference_mode():
-            for b in graphs.buckets:
-                view = graphs.buffers.view(b)
-                view.input_ids.copy_(torch.arange(b, device=device) % cfg.vocab_size)
-                view.positions.copy_(torch.arange(b, device=device))
-                eager = runner._decode_step(view).float()
-                graphs.graphs[b].replay()
-                replayed = graphs.outputs[b].float()
-                if not torch.isfinite(replayed).all():
-                    raise RuntimeError(f"bucket {b}: the replayed graph gave non-finite hidden states")
-                worst = max(worst, ((replayed - eager).abs().max() / eager.abs().max().clamp_min(1e-30)).item())
-        if worst > 1e-2:
-            raise RuntimeError(f"a replayed decode graph differs from the eager step by {worst:.2g} (relative)")
-        return {"device": name, "kernels": "triton",
-                "cuda_graphs": {"validated": True, "buckets": sorted(graphs.graphs),
-                                "replay_vs_eager_max_rel": worst, "seconds": round(time.perf_counter() - t0, 1)}}
-    except Exception as e:
-        raise TuningError(f"CUDA graph check on {name} failed ({type(e).__name__}: "
-                          f"{e}); infer-run --no-cuda-graphs runs eagerly meanwhile") from e
-
-
-def _kernel_of(module) -> str:
-    """What kernel a loaded linear runs today (the default the table compares against)."""
-    if type(module).__name__ == "PackedLinear":
-        return module.kernel
-    return "torch"
 
 
 def write(table: dict, path: Path) -> Path:

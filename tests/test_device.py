@@ -153,12 +153,12 @@ def test_load_model_on_cuda(tmp_path):
 
 def test_measuring_without_a_gpu_records_nothing_about_graphs(tmp_path):
     """On a machine without CUDA the tuning table makes no GPU claim (no ``gpu`` section, no GPU in
-    its hardware); where CUDA is present runtime/tuning.gpu_check adds one, or fails the build."""
-    from infer.runtime import tuning
+    its hardware); where CUDA is present runtime/tuning_measure.gpu_check adds one, or fails the build."""
+    from infer.runtime import tuning_measure
 
     from infer.kernels.triton_ops import interpreting
 
-    table = tuning.measure(_tiny_checkpoint(tmp_path / "ckpt"), [1], sections=())
+    table = tuning_measure.measure(_tiny_checkpoint(tmp_path / "ckpt"), [1], sections=())
     if torch.cuda.is_available():  # (tests run triton's interpreter unless TRITON_INTERPRET=0)
         assert table["gpu"]["cuda_graphs"]["validated"] is (not interpreting())
     else:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.runtime import tuning
-from infer.runtime.tuning import Tuning, bucket_for, decide
+from infer.runtime import tuning, tuning_measure
+from infer.runtime.tuning import Tuning, bucket_for
+from infer.runtime.tuning_measure import decide
 
 
 def t(min_s: float, median_s: float | None = None) -> dict:
@@ -38,9 +39,9 @@ def _table(hardware: dict, dtype: str = "bfloat16") -> dict:
     """A table choosing what the defaults are not: plain torch for the MLP's down projection, gather +
     SDPA for one decode, one thread for small steps."""
     entry = lambda default, choice: {"seconds": {}, "default": default, "choice": choice}  # noqa: E731
-    timed = {kernel: {} for kernel in tuning.LINEAR_ORDER}  # every linear kernel there is was timed
+    timed = {kernel: {} for kernel in tuning_measure.LINEAR_ORDER}  # every linear kernel there is was timed
     return {"format": tuning.FORMAT, "version": tuning.VERSION, "hardware": hardware, "buckets": [1, 4, 64],
-            "rule": tuning.RULE, "dtype": dtype,
+            "rule": tuning_measure.RULE, "dtype": dtype,
             "linear": {f"1536x576:{dtype}": {**entry("onednn", "torch"), "seconds": timed}},
             "decode_attention": {"1": entry("cpp", "torch-sdpa"), "4": entry("cpp", "cpp"), "64": entry("cpp", "cpp")},
             "threads": {"1": entry("2", "1"), "4": entry("2", "1"), "64": entry("2", "2")}}
@@ -122,7 +123,7 @@ def test_measure_times_every_candidate_and_records_the_hardware(bf16_artifact):
     from infer.kernels import isa
     from infer.kernels.onednn import can_pack
 
-    table = tuning.measure(bf16_artifact, [1, 4])
+    table = tuning_measure.measure(bf16_artifact, [1, 4])
     assert table["hardware"] == tuning.hardware() and table["buckets"] == [1, 4]
     assert table["hardware"]["cpu_class"] == isa.active()
     # every alternative this class has: plain torch, oneDNN's layout where it packs bfloat16 (AVX-512),
