@@ -1,13 +1,14 @@
-"""int8-weight linears in column blocks (kernels/csrc/int8_linear.cpp), on every CPU class from AVX2 up:
-W8A16 (int8 per-channel weights, bfloat16 activations) and W8A8 (the same weights, dynamic per-token int8
-activations, exact int32 sums; vpdpbusd where the build targets AVX-512 VNNI).
+"""8-bit-weight linears in column blocks (kernels/csrc/int8_linear.cpp), on every CPU class from AVX2 up:
+W8A16 (int8 per-channel weights, bfloat16 activations), W8A8 (the same weights, dynamic per-token int8
+activations, exact int32 sums; vpdpbusd where the build targets AVX-512 VNNI) and FP8 (e4m3 per-channel
+weights decoded in registers, dynamic per-token e4m3 activations).
 
 A batch-1 decode step of an int8 model reads half the bytes of its bfloat16 linears; these kernels keep
 the step in the column-block streaming layout bf16_linear.cpp uses (the same block widths, for the same
 reason), and in the one-call C++ step (kernels/csrc/step_layers.cpp). ``load()`` gives the module only
 where it can run (the active class, kernels/isa.py, is at least ``avx2`` and the source builds); elsewhere
-runtime/model/quant_linear.py keeps torch's ops. ``pack_w8a16`` / ``pack_w8a8`` lay a weight out once, at
-load.
+runtime/model/quant_linear.py keeps torch's ops. ``pack_w8a16`` / ``pack_w8a8`` / ``pack_fp8`` lay a weight out
+once, at load.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def vnni_flags() -> list[str]:
 
 @lru_cache(maxsize=1)
 def load() -> object | None:
-    """The compiled module (``int8_linear``, ``w8a8_linear``), or None where it cannot run or be built."""
+    """The compiled module (``int8_linear``, ``w8a8_linear``, ``fp8_linear``), or None where it cannot run or be
+    built."""
     if not isa.at_least("avx2"):
         return None
     module = build("infer_int8_linear", "int8_linear.cpp", ["-fopenmp", *vnni_flags()])
@@ -63,6 +65,13 @@ def pack_w8a16(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     padded, scales, blocks, width = _blocks(q, scale)
     k = q.shape[1]
     return padded.view(blocks, width, k).transpose(1, 2).contiguous(), scales
+
+
+def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] float8_e4m3fn, scale [N] (w = q scale) -> (packed [ceil(N/W), K, W] uint8 holding the e4m3
+    bytes, scales [ceil(N/W) W] float32): W8A16's layout (the padding bytes 0: e4m3 zero)."""
+    packed, scales = pack_w8a16(q.view(torch.int8), scale)
+    return packed.view(torch.uint8), scales
 
 
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
-"""The int8-weight linears (kernels/csrc/int8_linear.cpp, the active CPU class's build) against float64:
-W8A16 (int8 per-channel weights, bfloat16 activations) and W8A8 (dynamic per-token int8 activations, exact
+"""The 8-bit-weight linears (kernels/csrc/int8_linear.cpp, the active CPU class's build) against float64:
+W8A16 (int8 per-channel weights, bfloat16 activations), W8A8 (dynamic per-token int8 activations, exact
 int32 sums), at the code extremes +127 / -128 (where an int16-saturating product, AVX2's vpmaddubsw, would
-be wrong), partial column blocks, a bias, decode rows and prompt-chunk rows; and the refusals."""
+be wrong), and FP8 (e4m3 weights decoded in registers, dynamic per-token e4m3 activations: every e4m3 byte,
+and the activations' rounding against torch's own conversion); partial column blocks, a bias, decode rows
+and prompt-chunk rows; and the refusals."""
 
 from __future__ import annotations
 
@@ -129,6 +131,83 @@ def test_w8a8_sums_are_exact_at_the_code_extremes():
     assert torch.equal(got, ref.to(torch.bfloat16))
 
 
+def _fp8_weight(n, k, gen):
+    """Random e4m3 weights with every one of the 254 finite codes (subnormals, +-448) present, per-channel scales."""
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+    codes[codes.bitwise_and(0x7F) == 0x7F] = 0x7E  # no NaN (0x7F, 0xFF): +-448 instead
+    flat = codes.view(-1)
+    every = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    flat[:len(every)] = every[:flat.numel()]
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-4
+    return codes.view(torch.float8_e4m3fn), scale
+
+
+def _torch_fp8(x: torch.Tensor):
+    """runtime/model/quant_linear.py's activation codes for FP8_DYNAMIC (torch's own float32 -> e4m3)."""
+    from infer.runtime.model.compressed_tensors import Args
+    from infer.runtime.model.quant_linear import quantize_activations
+
+    return quantize_activations(x, Args(8, "float", "token", dynamic=True), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, bias", SHAPES)
+def test_fp8_computes_the_declared_scheme(m, n, k, bias, fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, scale = _fp8_weight(n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    x[:, torch.randperm(k, generator=gen)[:2]] *= 30  # activation outliers: the other codes small
+    x[:, 2:4] = torch.tensor([1e-3, -3e-4])  # and subnormal (under 2^-6 once divided by the row's scale)
+    x = x.to(torch.bfloat16)
+    b = torch.randn(n, generator=gen) if bias else None
+    packed, scales = int8_linear.pack_fp8(q, scale)
+    assert packed.dtype == torch.uint8
+    got = MODULE.fp8_linear(x, packed, scales, n, b)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16
+    codes, xs = _torch_fp8(x)
+    assert (codes.float().abs() < 2.0 ** -6).any() and (codes.float().abs() == 448).any()
+    # the declared scheme in float64: (codes x row scale) . (weight codes x column scale) + bias. The products
+    # of two e4m3 values are exact in float32 and the sums float32 (under K 2^-24 x |x| . |w|), rounded once
+    # to bfloat16; a kernel that rounded an activation to another code would be off by a 2^-4 step of it
+    xq = codes.double() * xs.double()
+    w = q.double() * scale.double()[:, None]
+    want = xq @ w.t() + (b.double() if bias else 0)
+    err = (got.double() - want).abs()
+    rounding = (want.to(torch.bfloat16).double() - want).abs()
+    magnitude = xq.abs() @ w.abs().t()
+    assert (err <= rounding + magnitude * k * 2.0 ** -24 + 1e-30).float().mean() >= 0.99, (err - rounding).max()
+    assert (err <= want.abs() * 2.0 ** -8 + magnitude * k * 2.0 ** -24 + 1e-30).all(), (err / magnitude).max()
+
+
+@needs_kernel
+def test_fp8_decodes_every_code_and_rounds_activations_as_torch_does():
+    """One-hot rows read single weights: every e4m3 byte decodes to its value (times the scales), and each
+    bfloat16 activation a row may hold rounds to torch's e4m3 code (ties to even, subnormals, +-448)."""
+    every = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
+    k = 256
+    q = torch.zeros(len(every), k, dtype=torch.uint8)
+    q[:, 0] = every  # column n reads code n through x = e_0
+    packed, scales = int8_linear.pack_fp8(q.view(torch.float8_e4m3fn), torch.ones(len(every)))
+    x = torch.zeros(1, k, dtype=torch.bfloat16)
+    x[0, 0], x[0, 1] = 448.0, -448.0  # row scale 1: the code of x[0] is 448 exactly
+    got = MODULE.fp8_linear(x, packed, scales, len(every), None)
+    want = every.view(torch.float8_e4m3fn).float() * 448.0
+    assert torch.equal(got[0].float(), want.to(torch.bfloat16).float())
+    # activations: every finite bfloat16 in [-448, 448], a row of them at a time beside +-448 (row scale 1), read
+    # back one at a time through a one-hot weight column
+    values = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = values[torch.isfinite(values) & (values.float().abs() <= 448)]
+    rows = values[: (len(values) // 254) * 254].view(-1, 254)
+    x = torch.cat([torch.full((len(rows), 1), 448.0), rows.float(), torch.zeros(len(rows), 1)], 1).to(torch.bfloat16)
+    eye = torch.zeros(256, 256, dtype=torch.uint8)
+    eye[torch.arange(256), torch.arange(256)] = 0x38  # e4m3 1.0
+    packed, scales = int8_linear.pack_fp8(eye.view(torch.float8_e4m3fn), torch.ones(256))
+    got = MODULE.fp8_linear(x, packed, scales, 256, None)
+    codes, xs = _torch_fp8(x)
+    assert torch.equal(xs, torch.ones_like(xs))
+    assert torch.equal(got.float(), codes.float().to(torch.bfloat16).float())
+
+
 @needs_kernel
 def test_int8_linears_refuse_what_they_were_not_packed_for():
     q, scale = _weight(64, 128, torch.Generator().manual_seed(0))
@@ -159,7 +238,8 @@ def _unpack_blocks(linear) -> torch.Tensor:
 
 
 def _quantized(weight: torch.Tensor, kind: str):
-    """Round-to-nearest QuantWeight of a float [N, K] weight: W8A16, W8A8 (dynamic per token) or W4A16 g64."""
+    """Round-to-nearest QuantWeight of a float [N, K] weight: W8A16, W8A8 (dynamic per token), FP8_DYNAMIC or
+    W4A16 g64."""
     from infer.runtime.model.compressed_tensors import Args, QuantWeight
 
     if kind == "w4a16":
@@ -167,6 +247,10 @@ def _quantized(weight: torch.Tensor, kind: str):
         scale = weight.view(n, k // 64, 64).abs().amax(-1) / 7
         q = torch.round(weight.view(n, k // 64, 64) / scale[..., None]).clamp(-8, 7).to(torch.int8).view(n, k)
         return QuantWeight(Args(4, "int", "group", True, 64), None, q, scale)
+    if kind == "fp8":  # FP8_DYNAMIC: e4m3 per channel, dynamic per-token e4m3 activations
+        scale = weight.abs().amax(1, keepdim=True) / 448
+        q = (weight / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return QuantWeight(Args(8, "float", "channel"), Args(8, "float", "token", dynamic=True), q, scale)
     scale = weight.abs().amax(1, keepdim=True) / 127
     q = torch.round(weight / scale).clamp(-128, 127).to(torch.int8)
     inputs = Args(8, "int", "token", dynamic=True) if kind == "w8a8" else None
@@ -175,7 +259,7 @@ def _quantized(weight: torch.Tensor, kind: str):
 
 @needs_kernel
 def test_a_mixed_model_steps_in_one_call_with_the_python_loops_bits(embedded_artifact):
-    """bfloat16, W8A16, W8A8 and W4A16 linears side by side (as quant.auto builds them), layer by layer in
+    """bfloat16, W8A16, W8A8, FP8 and W4A16 linears side by side (as quant.auto builds them), layer by layer in
     turn: the model stays in the one-call C++ step (kernels/csrc/step_layers.cpp dispatches each linear on
     its packed weight), which gives the Python layer loop's tokens and logprobs bit for bit."""
     import random
@@ -189,15 +273,16 @@ def test_a_mixed_model_steps_in_one_call_with_the_python_loops_bits(embedded_art
     model = llm.engine.model
     if model.fused_step is None:
         pytest.skip("no fused step for the bfloat16 model on this host (test_fused_step covers why)")
-    kinds = ("w8a16", "w8a8", "w4a16", None)
-    for i, layer in enumerate(model.layers[:4]):  # every kind in every slot; the other layers stay bfloat16
+    kinds = ("w8a16", "w8a8", "fp8", "w4a16", None)
+    for i, layer in enumerate(model.layers[:5]):  # every kind in every slot; the other layers stay bfloat16
         for j, (parent, attr) in enumerate(((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
                                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))):
             kind = kinds[(i + j) % len(kinds)]
             if kind is not None:
                 setattr(parent, attr, make_linear(_quantized(_unpack_blocks(getattr(parent, attr)), kind), None,
                                                   torch.bfloat16))
-    assert set(quantized_modules(model).values()) == {"cpu-int8-blocks", "cpu-w8a8-blocks", "cpu-int4-blocks"}
+    assert set(quantized_modules(model).values()) == {"cpu-int8-blocks", "cpu-w8a8-blocks", "cpu-fp8-blocks",
+                                                      "cpu-int4-blocks"}
     assert FusedStep.declines(model) is None
     fused = FusedStep(model, llm.engine.kernels)
     steps = []

@@ -13,12 +13,19 @@
 //   (two products of at most 128 x 128 never leave int32); vpmaddubsw is not used (it saturates at int16).
 //   With AVX-512 VNNI, vpdpbusd multiplies unsigned x signed bytes: the activations are offset to
 //   u = q + 128 and 128 x sum_k w[k, col], precomputed at pack time, is subtracted from each column's sum.
+// - FP8 (`fp8_linear`): fp8 e4m3 weights with per-channel scales and dynamic per-token e4m3 activations
+//   (compressed-tensors' FP8_DYNAMIC: scale = absmax / 448 in float32, codes = the float32 x / scale clamped
+//   to +-448 and rounded to e4m3, to nearest, ties to even, as torch converts). Each weight byte is decoded in
+//   registers (sign-extended, shifted into a float32's exponent and mantissa, times 2^120) and each row's codes
+//   are kept as the floats they stand for; a product of two e4m3 values (4 significant bits each) is exact in
+//   float32, so the sums are float32 as the declared scheme computes them, then
+//   y = round_bf16(fma(sum, x_scale * w_scale, bias)), as W8A8. Same layout and tiles as W8A16.
 //
 // A decode step reads every weight once: an int8 weight is half of a bfloat16 one's bytes. Weights are
 // packed once, at load (kernels/int8_linear.py), per block of W = 64 output columns (32 for a weight of at
 // most 1024 columns, so a decode step's blocks split evenly over threads, as bf16_linear.cpp does), each
 // block one sequential stream:
-// - W8A16: [N/W][K][W]: row k holds the block's W weights of input k (one cache line at W = 64).
+// - W8A16 and FP8: [N/W][K][W]: row k holds the block's W weights of input k (one cache line at W = 64).
 // - W8A8: [N/W][K/4][W][4]: each 32-bit word holds one column's 4 consecutive k, the operand vpdpbusd
 //   takes; without VNNI, (word << 8) >> 8 and word >> 8 in 16-bit halves (arithmetic) give the (k, k+2)
 //   and (k+1, k+3) pairs as int16, each multiplied by vpmaddwd against a broadcast pair of x codes.
@@ -51,10 +58,10 @@ struct Int8Inputs {
 
 inline Int8Inputs check_int8_inputs(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
                                     const torch::Tensor& scales, int64_t n, const c10::optional<torch::Tensor>& bias,
-                                    int64_t dims) {
+                                    int64_t dims, at::ScalarType codes = at::kChar) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
               ": x must be a [M, K] bfloat16 tensor with contiguous rows");
-  TORCH_CHECK(packed.dim() == dims && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
+  TORCH_CHECK(packed.dim() == dims && packed.scalar_type() == codes && packed.is_contiguous() &&
                   (packed.size(2) == 64 || packed.size(2) == 32) && (dims == 3 || packed.size(3) == 4),
               name, ": the weight must be packed by kernels/int8_linear.py");
   const int64_t m = x.size(0), blocks = packed.size(0), width = packed.size(2);
@@ -87,6 +94,33 @@ inline float quantize_row(const at::BFloat16* x, int64_t k, int8_t* codes) {
   return scale;
 }
 
+// A float32 rounded to the nearest fp8 e4m3 value (ties to even), |v| <= 448, returned as the float32 it
+// stands for. Normal values (|v| >= 2^-6) keep 3 fraction bits: add half a step (less one where the kept
+// bits are even) and clear the rest; below 2^-6 e4m3 steps by 2^-9, which (v + c) - c rounds to with
+// c = 1.5 x 2^14, whose float32 step is 2^-9. Plain code the compiler vectorizes (no fast-math: it must
+// not fold (v + c) - c).
+inline float round_e4m3(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  b = (b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u;
+  float normal;
+  std::memcpy(&normal, &b, 4);
+  constexpr float c = 24576.f;  // 1.5 x 2^14
+  const float sub = (v + c) - c;
+  return std::fabs(v) < 0x1p-6f ? sub : normal;
+}
+
+// compressed-tensors' dynamic per-token fp8 quantization of one row, in float32 as torch computes it:
+// returns the row's scale and writes the values of its e4m3 codes.
+inline float quantize_row_fp8(const at::BFloat16* x, int64_t k, float* codes) {
+  float absmax = 0.f;
+  for (int64_t i = 0; i < k; ++i) absmax = std::max(absmax, std::fabs(infer::to_float(x[i])));
+  float scale = absmax / 448.f;
+  if (scale == 0.f) scale = FLT_EPSILON;  // torch.finfo(torch.float32).eps
+  for (int64_t i = 0; i < k; ++i) codes[i] = round_e4m3(std::min(std::max(infer::to_float(x[i]) / scale, -448.f), 448.f));
+  return scale;
+}
+
 }  // namespace
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -109,6 +143,13 @@ inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 // 16 int8 weights widened to float32 (exact)
 inline vf widen_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 fp8 e4m3 weights decoded to float32 (exact): sign-extended, so bits 27-31 of (byte << 20) all hold the
+// sign; keeping bit 31 and the 7 exponent and mantissa bits at 20-26 gives the value times 2^-120
+inline vf widen_e4m3(const int8_t* p) {
+  const __m512i b = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 20);
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int32_t>(0x87F00000u)))),
+                       _mm512_set1_ps(0x1p120f));
 }
 inline vi vload_words(const int8_t* p) { return _mm512_loadu_si512(p); }
 inline vi vwords(int32_t w) { return _mm512_set1_epi32(w); }
@@ -133,6 +174,11 @@ inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf widen_i8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vf widen_e4m3(const int8_t* p) {
+  const __m256i b = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 20);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(static_cast<int32_t>(0x87F00000u)))),
+                       _mm256_set1_ps(0x1p120f));
 }
 inline vi vload_words(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi vwords(int32_t w) { return _mm256_set1_epi32(w); }
@@ -164,15 +210,28 @@ INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, in
   for (int i = 0; i < kLanes && col + i < n; ++i) y[col + i] = infer::from_float<at::BFloat16>(out[i]).x;
 }
 
+// 8-bit weights widened to float32: int8 codes (W8A16) or fp8 e4m3 bytes (FP8)
+template <bool FP8>
+inline vf widen8(const int8_t* p) {
+  if constexpr (FP8) return widen_e4m3(p);
+  else return widen_i8(p);
+}
+
 inline void prefetch(const int8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
 
-// ---------------------------------------------------------------------------- W8A16
+// ---------------------------------------------------------------------------- W8A16 and FP8
+
+// A row's output scale: the column scales, times the row's own scale where it has one (FP8)
+inline vf row_scale(vf colscale, const float* xscale, int r) {
+  return xscale == nullptr ? colscale : vmul(vbroadcast(xscale + r), colscale);  // x_scale * w_scale
+}
 
 // y[0:ROWS, cols c0 .. c0 + V kLanes of the block] for x in float32 (K floats a row); the block is
-// `width` columns wide, its first column n0; scale: the block's column scales.
-template <int ROWS, int V>
+// `width` columns wide, its first column n0; scale: the block's column scales; xscale: the rows' scales
+// (FP8's per-token scales, nullptr for W8A16), multiplied into the column scales as x_scale * w_scale.
+template <bool FP8, int ROWS, int V>
 inline void tile16(const float* xf, int64_t k, const int8_t* block, int64_t width, int64_t c0, const float* scale,
-                   const float* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+                   const float* xscale, const float* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
   vf acc[ROWS][V];
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < V; ++j) acc[r][j] = vzero();
@@ -182,7 +241,7 @@ inline void tile16(const float* xf, int64_t k, const int8_t* block, int64_t widt
     vf xb[ROWS];
     for (int r = 0; r < ROWS; ++r) xb[r] = vbroadcast(xf + r * k + i);
     for (int j = 0; j < V; ++j) {  // one widened vector live at a time: V x ROWS sums fill the registers
-      const vf wv = widen_i8(w + j * kLanes);
+      const vf wv = widen8<FP8>(w + j * kLanes);
       for (int r = 0; r < ROWS; ++r) acc[r][j] = vfma(xb[r], wv, acc[r][j]);
     }
   }
@@ -197,15 +256,15 @@ inline void tile16(const float* xf, int64_t k, const int8_t* block, int64_t widt
     const int64_t col = n0 + c0 + j * kLanes;
     const vf s = vload(scale + c0 + j * kLanes);
     for (int r = 0; r < ROWS; ++r)
-      if (col < n) store_row(vload(out[r][j]), s, bias, y + r * ldy, col, n);
+      if (col < n) store_row(vload(out[r][j]), row_scale(s, xscale, r), bias, y + r * ldy, col, n);
   }
 }
 
 // y[0:ROWS, 2 vectors of columns from col0] for x in float32 against wf, the slice's weights already widened
 // to float32 (K rows of 2 kLanes); scale: the slice's column scales.
 template <int ROWS>
-inline void tile16_widened(const float* xf, int64_t k, const float* wf, const float* scale, const float* bias,
-                           uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
+inline void tile16_widened(const float* xf, int64_t k, const float* wf, const float* scale, const float* xscale,
+                           const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
   vf acc[ROWS][2];
   for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
   for (int64_t i = 0; i < k; ++i) {
@@ -225,17 +284,18 @@ inline void tile16_widened(const float* xf, int64_t k, const float* wf, const fl
     const int64_t col = col0 + j * kLanes;
     const vf s = vload(scale + j * kLanes);
     for (int r = 0; r < ROWS; ++r)
-      if (col < n) store_row(vload(out[r][j]), s, bias, y + r * ldy, col, n);
+      if (col < n) store_row(vload(out[r][j]), row_scale(s, xscale, r), bias, y + r * ldy, col, n);
   }
 }
 
-template <int V>  // vectors a block row: width / kLanes
-inline void rows_of_block16(const float* xf, int64_t k, const int8_t* block, const float* scale, const float* bias,
-                            uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
+template <bool FP8, int V>  // vectors a block row: width / kLanes
+inline void rows_of_block16(const float* xf, int64_t k, const int8_t* block, const float* scale, const float* xscale,
+                            const float* bias, uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
   constexpr int64_t width = V * kLanes;
   constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // 2 x rows accumulators, of 32 or 16 registers
   if (r1 - r < kTileRows) {
-    for (; r < r1; ++r) tile16<1, V>(xf + r * k, k, block, width, 0, scale, bias, y + r * n, n, n0, n);
+    for (; r < r1; ++r)
+      tile16<FP8, 1, V>(xf + r * k, k, block, width, 0, scale, xscale ? xscale + r : nullptr, bias, y + r * n, n, n0, n);
     return;
   }
   // Many rows (a prompt chunk): each slice of 2 vectors of columns widened to float32 once (K x 2 kLanes floats,
@@ -246,14 +306,15 @@ inline void rows_of_block16(const float* xf, int64_t k, const int8_t* block, con
   wf.resize(k * 2 * kLanes);
   for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
     for (int64_t i = 0; i < k; ++i)
-      for (int j = 0; j < 2; ++j) vstore(wf.data() + i * 2 * kLanes + j * kLanes, widen_i8(block + i * width + c0 + j * kLanes));
+      for (int j = 0; j < 2; ++j) vstore(wf.data() + i * 2 * kLanes + j * kLanes, widen8<FP8>(block + i * width + c0 + j * kLanes));
     const float* s = scale + c0;
     const int64_t col0 = n0 + c0;
     int64_t i = r;
+    auto xs = [&](int64_t row) { return xscale ? xscale + row : nullptr; };
     for (; i + kWideRows <= r1; i += kWideRows)
-      tile16_widened<kWideRows>(xf + i * k, k, wf.data(), s, bias, y + i * n, n, col0, n);
-    for (; i + 2 <= r1; i += 2) tile16_widened<2>(xf + i * k, k, wf.data(), s, bias, y + i * n, n, col0, n);
-    for (; i < r1; ++i) tile16_widened<1>(xf + i * k, k, wf.data(), s, bias, y + i * n, n, col0, n);
+      tile16_widened<kWideRows>(xf + i * k, k, wf.data(), s, xs(i), bias, y + i * n, n, col0, n);
+    for (; i + 2 <= r1; i += 2) tile16_widened<2>(xf + i * k, k, wf.data(), s, xs(i), bias, y + i * n, n, col0, n);
+    for (; i < r1; ++i) tile16_widened<1>(xf + i * k, k, wf.data(), s, xs(i), bias, y + i * n, n, col0, n);
   }
 }
 
@@ -335,30 +396,54 @@ inline void rows_of_block8(const W8A8Args& a, int64_t blk, int64_t r, int64_t r1
 
 }  // namespace
 
-// x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K, W] int8, scales: float32 [ceil(N/W) W]
-// (kernels/int8_linear.py); bias: float32 [N] or None. Returns [M, N] bfloat16.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n,
-                          c10::optional<torch::Tensor> bias) {
-  const Int8Inputs in = check_int8_inputs("int8_linear", x, packed, scales, n, bias, 3);
+namespace {
+
+// W8A16 (xscale empty: x as it is) and FP8 (x's rows quantized to e4m3 first) over the [blocks, K, W] layout
+template <bool FP8>
+torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
   const int64_t m = in.m, k = in.k, width = in.width;
-  // x widened once (exact) with plain loops: a torch op's dispatch would cost a decode step's small linears
-  std::vector<float> xf(m * k);
+  // x widened once (exact), or quantized per row, with plain loops: a torch op's dispatch would cost a decode
+  // step's small linears
+  std::vector<float> xf(m * k), xscale(FP8 ? m : 0);
   const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
+  for (int64_t r = 0; r < m; ++r) {
+    if constexpr (FP8) {
+      xscale[r] = quantize_row_fp8(xb + r * x.stride(0), k, xf.data() + r * k);
+    } else {
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
+    }
+  }
   auto y = torch::empty({m, n}, x.options());
   const float* xp = xf.data();
-  const auto* wp = packed.data_ptr<int8_t>();
+  const float* xs = FP8 ? xscale.data() : nullptr;
+  const auto* wp = reinterpret_cast<const int8_t*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
     const int8_t* w = wp + blk * k * width;
     const float* s = in.scale + blk * width;
     if (width == 64)
-      rows_of_block16<64 / kLanes>(xp, k, w, s, in.bias, yp, blk * width, n, r, r1);
+      rows_of_block16<FP8, 64 / kLanes>(xp, k, w, s, xs, in.bias, yp, blk * width, n, r, r1);
     else
-      rows_of_block16<32 / kLanes>(xp, k, w, s, in.bias, yp, blk * width, n, r, r1);
+      rows_of_block16<FP8, 32 / kLanes>(xp, k, w, s, xs, in.bias, yp, blk * width, n, r, r1);
   });
   return y;
+}
+
+}  // namespace
+
+// x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K, W] int8, scales: float32 [ceil(N/W) W]
+// (kernels/int8_linear.py); bias: float32 [N] or None. Returns [M, N] bfloat16.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n,
+                          c10::optional<torch::Tensor> bias) {
+  return linear8<false>(check_int8_inputs("int8_linear", x, packed, scales, n, bias, 3), x, packed, n);
+}
+
+// x: [M, K] bfloat16 with contiguous rows, quantized here per token to e4m3; packed: [ceil(N/W), K, W] uint8
+// holding e4m3 bytes, scales: float32 [ceil(N/W) W] (kernels/int8_linear.py); bias: float32 [N] or None.
+// Returns [M, N] bfloat16.
+torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n,
+                         c10::optional<torch::Tensor> bias) {
+  return linear8<true>(check_int8_inputs("fp8_linear", x, packed, scales, n, bias, 3, at::kByte), x, packed, n);
 }
 
 // x: [M, K] bfloat16 with contiguous rows, quantized here per token; packed: [ceil(N/W), K/4, W, 4] int8,
@@ -411,6 +496,9 @@ bool has_vnni() { return kVnni; }
 torch::Tensor int8_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "int8_linear: built for a CPU without AVX2 and FMA");
 }
+torch::Tensor fp8_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "fp8_linear: built for a CPU without AVX2 and FMA");
+}
 torch::Tensor w8a8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
                           c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "w8a8_linear: built for a CPU without AVX2 and FMA");
@@ -423,6 +511,9 @@ bool has_vnni() { return false; }
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "W8A16: int8 per-channel weights, bfloat16 activations (CPU: AVX-512F or AVX2 + FMA)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("fp8_linear", &fp8_linear,
+        "FP8: e4m3 per-channel weights decoded in registers, dynamic per-token e4m3 activations, float32 sums",
         py::call_guard<py::gil_scoped_release>());
   m.def("w8a8_linear", &w8a8_linear,
         "W8A8: int8 per-channel weights, dynamic per-token int8 activations, exact int32 sums",

@@ -73,18 +73,20 @@ constexpr bool kHasAmx = false;
 // input norm, qkv bias (or empty), post norm, then qkv, o, gate_up, down as LINEAR_SLOTS tensors each
 constexpr int WEIGHTS_PER_LAYER = 3 + 4 * 3;
 // bfloat16: packed, empty, empty; int4: packed, scales, offsets (or empty); int8 (W8A16): packed, scales, empty;
-// int8 (W8A8): packed, scales, column sums
+// int8 (W8A8): packed, scales, column sums; fp8 (uint8 e4m3 bytes): packed, scales, empty
 constexpr int LINEAR_SLOTS = 3;
 
 // A linear as the model runs it: AMX tiles for a bfloat16 weight packed as tiles ([N/16, K/32, 16, 32], bias
 // bfloat16), the AVX-512 BF16 kernel for one packed in column blocks ([blocks, K/2, width, 2], bias float32),
-// the int4 one for int32 words, the int8 ones for int8 codes ([blocks, K, W]: W8A16; [blocks, K/4, W, 4]: W8A8).
+// the int4 one for int32 words, the int8 ones for int8 codes ([blocks, K, W]: W8A16; [blocks, K/4, W, 4]: W8A8),
+// the fp8 one for e4m3 bytes (uint8 [blocks, K, W]).
 // Each linear is dispatched on its own weight, so float, int4 and int8 linears mix in one model.
 torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
   if (w[0].scalar_type() == at::kChar) {
     if (w[0].dim() == 4) return int8::w8a8_linear(x, w[0], w[1], w[2], n, bias);
     return int8::int8_linear(x, w[0], w[1], n, bias);
   }
+  if (w[0].scalar_type() == at::kByte) return int8::fp8_linear(x, w[0], w[1], n, bias);
   if (w[0].scalar_type() == at::kBFloat16 && w[0].dim() == 4 && w[0].size(3) != 2) {
 #ifdef INFER_STEP_AMX
     return amx::amx_linear(x, w[0], bias);

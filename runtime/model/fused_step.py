@@ -1,6 +1,6 @@
 """A step's decoder layers in one C++ call (kernels/step_layers.py), for a bfloat16 model whose
-every decoder linear runs on AMX tiles, on the column-block kernel, the int4 one (W4A16) or the int8 ones
-(W8A16, W8A8 with dynamic per-token activations), in any mix (quant.auto's mixed builds): each linear is
+every decoder linear runs on AMX tiles, on the column-block kernel, the int4 one (W4A16) or the 8-bit ones
+(W8A16, W8A8 with dynamic per-token activations, FP8_DYNAMIC), in any mix (quant.auto's mixed builds): each linear is
 dispatched on its own packed weight.
 
 ``Transformer.forward`` offers each step to it first. It takes the step when the engine's paged
@@ -40,7 +40,8 @@ class FusedStep:
         def slots(linear) -> list[torch.Tensor]:  # step_layers.cpp's LINEAR_SLOTS
             if getattr(linear, "backend", None) == "cpu-int4-blocks":
                 return [linear.packed, linear.scales, none if linear.offsets is None else linear.offsets]
-            if getattr(linear, "backend", None) in ("cpu-int8-blocks", "cpu-w8a8-blocks"):  # int8 codes: W8A16, W8A8
+            if getattr(linear, "backend", None) in ("cpu-int8-blocks", "cpu-w8a8-blocks", "cpu-fp8-blocks"):
+                # 8-bit codes: W8A16, W8A8 (with column sums), FP8 (e4m3 bytes)
                 return [linear.packed, linear.scales, none if linear.colsums is None else linear.colsums]
             return [linear.packed_weight, none, none]
 
@@ -71,12 +72,12 @@ class FusedStep:
         run."""
         from .llama import Block
         from .packed_linear import PackedLinear
-        from .quant_linear import Int4BlocksLinear, Int8BlocksLinear, W8A8BlocksLinear
+        from .quant_linear import FP8BlocksLinear, Int4BlocksLinear, Int8BlocksLinear, W8A8BlocksLinear
 
         def fast(linear) -> bool:
             if type(linear) is Int4BlocksLinear:
                 return linear.perm is None
-            if type(linear) in (Int8BlocksLinear, W8A8BlocksLinear):
+            if type(linear) in (Int8BlocksLinear, W8A8BlocksLinear, FP8BlocksLinear):
                 return True
             return type(linear) is PackedLinear and linear.kernel in ("blocks", "amx")
 
@@ -106,8 +107,8 @@ class FusedStep:
             return "MLP biases are not implemented in kernels/csrc/step_layers.cpp"
         if not all(fast(m) for layer in model.layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                layer.mlp.gate_up_proj, layer.mlp.down_proj)):
-            return ("a linear is not on AMX tiles, the column-block, the int4 (checkpoint column order) or the int8 "
-                    "kernels")
+            return ("a linear is not on AMX tiles, the column-block, the int4 (checkpoint column order), the int8 or "
+                    "the fp8 kernels")
         return None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx):

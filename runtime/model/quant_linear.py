@@ -21,6 +21,8 @@ CPU backends here, fastest first:
   quantized inside the call exactly as ``quantize_activations`` does, exact int32 sums (vpmaddwd, or
   vpdpbusd with AVX-512 VNNI), then the same float32 scaling as ``cpu-w8a8``;
 - ``cpu-w8a8``: dynamic per-token int8 activations and ``torch._int_mm`` (int32 accumulation);
+- ``cpu-fp8-blocks`` (bfloat16 models): the same source's FP8 kernel: e4m3 per-channel weights decoded to
+  float32 in registers, dynamic per-token e4m3 activations quantized inside the call, float32 sums;
 - ``cpu-fp8``: per-token fp8 activations; fp8 codes multiplied widened to the compute dtype (exact
   widening; float32 sums in a float32 model), since this torch's CPU ``_scaled_mm`` is a slow
   reference path;
@@ -223,6 +225,42 @@ class W8A8BlocksLinear(Int8BlocksLinear):
     backend = "cpu-w8a8-blocks"
 
 
+class FP8BlocksLinear(QuantLinear):
+    """fp8 e4m3 per-channel weights with dynamic per-token e4m3 activations (FP8_DYNAMIC), packed once for
+    kernels/csrc/int8_linear.cpp's ``fp8_linear`` (any class from AVX2): each weight byte decoded to float32 in
+    registers, each row quantized inside the call as compressed-tensors does, float32 sums of exact products,
+    then both scales. A decode step reads 8 bits a weight, where ``cpu-fp8`` reads the codes widened to 16."""
+    backend = "cpu-fp8-blocks"
+
+    def __init__(self, w: QuantWeight, bias, dtype):
+        from infer.kernels import int8_linear
+
+        super().__init__(w, bias, dtype)
+        self.module = int8_linear.load()
+        packed, scales = int8_linear.pack_fp8(w.q, w.scale)
+        self.register_buffer("packed", packed, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.colsums = None  # (the fused step's slots: W8A8's column sums, none here)
+        self.register_buffer("bias_f32", None if self.bias is None else self.bias.detach().float().contiguous(),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
+        y = self.module.fp8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
+        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+
+
+def _fp8_blocks(w: QuantWeight, device: torch.device) -> bool:
+    """What fp8_linear computes exactly: e4m3 per-channel weights, dynamic per-token e4m3 activations."""
+    from infer.kernels import int8_linear
+
+    a = w.inputs
+    return (_cpu(device) and w.weights.type == "float" and w.weights.num_bits == 8 and w.q.dtype == torch.float8_e4m3fn
+            and w.scale.shape[1] == 1 and a is not None and a.type == "float" and a.num_bits == 8 and a.dynamic
+            and a.strategy == "token" and w.input_scale is None and int8_linear.load() is not None)
+
+
 def _int8_blocks(w: QuantWeight, device: torch.device, w8a8: bool) -> bool:
     from infer.kernels import int8_linear
 
@@ -418,6 +456,7 @@ BACKENDS: list = [
     _Backend("cpu-w8a8", W8A8Linear, lambda w, d: _cpu(d) and w.inputs is not None and w.inputs.type == "int" and
              w.inputs.num_bits == 8 and w.weights.type == "int" and w.weights.num_bits == 8 and
              w.scale.shape[1] == 1 and w.zero is None and w.inputs.strategy in ("token", "tensor")),
+    _Backend("cpu-fp8-blocks", FP8BlocksLinear, _fp8_blocks, (torch.bfloat16,)),
     _Backend("cpu-fp8", FP8Linear, lambda w, d: _cpu(d) and w.inputs is not None and
              w.inputs.type == "float" and w.weights.type == "float" and w.scale.shape[1] == 1 and
              w.inputs.strategy in ("token", "tensor")),
