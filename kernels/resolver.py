@@ -82,7 +82,7 @@ class KernelSet:
 
 
 def _chunk_kernel_name(kernel: Callable | None) -> str:
-    """amx | avx512bf16 | avx512 | torch-sdpa: which prompt-chunk kernel ``kernel`` is."""
+    """amx | avx512bf16 | avx512 | avx2 | torch-sdpa: which prompt-chunk kernel ``kernel`` is."""
     if kernel is None:
         return "torch-sdpa"
     from . import amx_attention
@@ -153,8 +153,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
             module = amx_attention.load()
             chunk = module.chunk_attention if module is not None else None
     prefill = chunk  # AMX tiles attend fresh prompts too: 1.3-2.7x the AVX-512 BF16 kernel's speed (40-1024 tokens)
-    if prefill is None and bf16_attention.fits(dtype, head_dim) and isa.at_least("avx512"):
-        module = need(bf16_attention.load(), "AVX-512 chunk attention")
+    if prefill is None and bf16_attention.fits(dtype, head_dim) and isa.at_least("avx2"):
+        module = need(bf16_attention.load(), "chunk attention")
         prefill = module.chunk_attention if module is not None else None
     linear_bf16 = fused = None
     if dtype == torch.bfloat16 and linear_amx is None and isa.at_least("avx2"):

@@ -80,10 +80,14 @@ def test_each_class_builds_an_int4_linear_that_matches_float64(monkeypatch, cls,
             assert (err <= want.abs() * 2.0 ** -7 + magnitude * 2.0 ** -10).all(), (cls, n, k, rows, (err / magnitude).max())
 
 
-def test_the_avx2_build_holds_no_avx512_instruction(monkeypatch):
+@pytest.mark.parametrize("name, source", [("infer_bf16_linear", "bf16_linear.cpp"),
+                                          ("infer_bf16_attention", "bf16_attention.cpp")])
+def test_the_avx2_build_holds_no_avx512_instruction(monkeypatch, name, source):
     if isa.native_class() is None:
         pytest.skip("this CPU has no AVX2: the avx2 build cannot load here")
-    module = _linear_module(monkeypatch, "avx2")
+    monkeypatch.setenv("INFER_ISA", "avx2")
+    module = extension.build(name, source, ["-fopenmp"])
+    assert module is not None and module.available(), f"the avx2 build of {source} failed"
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", module.__file__], capture_output=True,
                              text=True, check=True).stdout
     assert "vfmadd" in listing and "ymm" in listing  # the widening kernel is there, on 256-bit vectors
@@ -117,10 +121,12 @@ def test_the_resolver_names_the_class_it_chose():
         assert described["linear"] in ("blocks", "amx") and described.get("step_layers") == "cpp", described
 
 
-# The test files of the kernels whose code differs by class (attention, int8 and int4 linears, layer ops): the
-# suite runs them at this CPU's own class; each class below it runs them again in a process started with
-# INFER_ISA set, so every host checks every path it can execute against its reference.
-KERNEL_TESTS = ("test_kernels.py", "test_int8_linear.py", "test_int4_linear.py", "test_layer_ops.py")
+# The test files of the kernels whose code differs by class (attention, int8 and int4 linears, layer ops, the
+# one-call step with its prompt chunks): the suite runs them at this CPU's own class; each class below it runs
+# them again in a process started with INFER_ISA set, so every host checks every path it can execute against its
+# reference (the one-call step against the Python loop's bits).
+KERNEL_TESTS = ("test_kernels.py", "test_int8_linear.py", "test_int4_linear.py", "test_layer_ops.py",
+                "test_fused_step.py")
 
 
 def _lower_classes():

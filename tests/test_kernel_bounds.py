@@ -117,7 +117,7 @@ def _amx_module():
 
 
 def _bf16_module():
-    """The AVX-512 BF16 chunk kernel's module, or None where the CPU lacks the instructions."""
+    """The class's chunk kernel's module (kernels/csrc/bf16_attention.cpp), or None below AVX2 + FMA."""
     from infer.kernels import bf16_attention
 
     return bf16_attention.load()
@@ -193,7 +193,7 @@ def test_amx_chunk_attention_refuses_bad_indices(outcomes, case):
 @pytest.mark.parametrize("case", list(chunk_cases()))
 def test_avx512_bf16_chunk_attention_refuses_bad_indices(outcomes, case):
     if _bf16_module() is None:
-        pytest.skip("this CPU has no AVX-512 BF16: the kernel is never loaded here, nothing to check")
+        pytest.skip("this CPU has no AVX2 + FMA: the kernel is never loaded here, nothing to check")
     _check(outcomes, "chunk_bf16", case, chunk_cases()[case][1])
 
 

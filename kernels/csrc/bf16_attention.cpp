@@ -1,16 +1,20 @@
-// Attention of prompt chunks on AVX-512: vdpbf16ps where the CPU has AVX-512 BF16, else the same bfloat16
-// pairs widened to float32 in registers and multiplied with two FMAs (AVX-512F: the `avx512` class, which
-// otherwise ran torch's SDPA, 0.40 of the FMA peak for a 256-token prefill on a Zen 5 forced to it).
+// Attention of prompt chunks: vdpbf16ps where the CPU has AVX-512 BF16, else the same bfloat16 pairs widened
+// to float32 in registers and multiplied with two FMAs (AVX-512F: the `avx512` class; AVX2 + FMA: the `avx2`
+// class, on 8 lanes). One source, the instruction set chosen by the build's target flags (kernels/isa.py);
+// below AVX-512 BF16 the classes otherwise ran torch's SDPA (0.40 of the FMA peak for a 256-token prefill on
+// a Zen 5 forced to `avx512`).
 //
 // A 256-token prompt spends ~2 ms a layer in torch's bfloat16 flash SDPA on a 2-core Zen 4 (a fifth
 // of its prefill), for ~75 MFLOP of work. Here a task is one chunk's block of 32 rows for one KV
 // head: the rows of every query head sharing that head, ordered (chunk row, query head) so a tile's
-// rows see about as many keys. It packs the keys its rows may see as [keys/64][d/2][64][2] (the
-// pair layout of kernels/csrc/bf16_linear.cpp, keys as output columns) and the values as
+// rows see about as many keys. It packs the keys its rows may see as [keys/K][d/2][K][2] (K = 64 keys
+// on AVX-512, 16 on AVX2; the pair layout of kernels/csrc/bf16_linear.cpp, keys as output columns) and the values as
 // [keys/2][d][2] (token pairs), reading the cache in place through the block table; then computes
 // S = Q K^T in float32, a softmax per row over the keys it may see (up to cached + row), with P
 // rounded to bfloat16 and its sum taken over the rounded values, O = P V in float32, and divides
-// once at the end. Tasks are taken largest first from a shared counter: causal blocks differ in
+// once at the end. On AVX2 (16 vector registers, no embedded broadcast) a K block is 16 keys and a tile
+// 4 rows, and the query rows and P are widened to float32 once (exact) so that each is broadcast
+// straight from memory rather than widened again for every block. Tasks are taken largest first from a shared counter: causal blocks differ in
 // cost, and a static split would leave a core idle.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -23,15 +27,22 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace {
 
-// A vector of 16 bfloat16 pairs (words), and acc + the pairwise products' sums: vdpbf16ps with AVX-512 BF16;
-// without it each word's low half (k) and high half (k + 1) widened to float32 (exact) and two FMAs.
+#if defined(__AVX512F__)
+// 16 float32 lanes. A vector of 16 bfloat16 pairs (words), and acc + the pairwise products' sums: vdpbf16ps
+// with AVX-512 BF16; without it each word's low half (k) and high half (k + 1) widened to float32 (exact) and
+// two FMAs.
+using vf = __m512;
+constexpr int kLanes = 16;
+constexpr int kKeyVectors = 4;  // a packed K block: 64 keys
+constexpr int kTileRows = 6;    // rows a tile: 6 x 4 accumulators and 4 K vectors of the 32 registers
 #if defined(__AVX512BF16__)
 using Pairs = __m512bh;
 inline Pairs as_pairs(__m512i v) { return (__m512bh)v; }
@@ -46,21 +57,82 @@ inline __m512 dot_pairs(__m512 acc, Pairs a, Pairs b) {
                          acc);
 }
 #endif
-
-constexpr int64_t kKeys = 64;       // keys per packed K block: 4 x 16 lanes
-constexpr int64_t kChunkRows = 32;  // chunk rows per task: 0.89-0.95x the time of 16 on a Zen 4 (fewer K/V packs), 64 loses on short chunks
-
-inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-inline __m256i to_bf16(__m512 v) {
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
-}
-
-inline Pairs pair_of(const uint16_t* p) {
+// The query rows and P stay bfloat16, each (k, k + 1) pair broadcast as one word.
+using Operand = uint16_t;
+using RowPair = Pairs;
+inline Pairs load_pairs(const uint16_t* p) { return as_pairs(_mm512_loadu_si512(p)); }
+inline RowPair row_pair(const uint16_t* p) {
   int32_t pair;
   std::memcpy(&pair, p, sizeof(pair));
   return as_pairs(_mm512_set1_epi32(pair));
 }
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+// v / sum (v * inv), rounded to bfloat16, to 16 outputs
+inline void store_bf16(uint16_t* o, vf v, float inv) {
+  const __m512i bits = infer::bf16_round_bits(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+// dst[c] = r0[c] | r1[c] << 16 for 16 columns (r1 null: zero)
+inline void pack_token_pair(const uint16_t* r0, const uint16_t* r1, uint32_t* dst) {
+  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
+  const __m512i hi = r1 != nullptr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)))
+                                   : _mm512_setzero_si512();
+  _mm512_storeu_si512(dst, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+}
+// query row r as the tiles read it: in place
+inline const Operand* query_row(const uint16_t* q, int64_t, std::vector<float>&, int64_t) { return q; }
+#else
+// 8 float32 lanes (AVX2 + FMA). A vector of 8 bfloat16 pairs widened as it is loaded: the low halves (k) and
+// the high halves (k + 1) as float32, exact; the query rows and P are float32 already (widened once, exact),
+// each element broadcast from memory, and acc gets two FMAs.
+using vf = __m256;
+constexpr int kLanes = 8;
+constexpr int kKeyVectors = 2;  // a packed K block: 16 keys
+constexpr int kTileRows = 4;    // rows a tile: 4 x 2 accumulators, 2 x 2 widened K and 2 broadcasts of 16 registers
+struct Pairs {
+  __m256 even, odd;
+};
+using Operand = float;
+using RowPair = Pairs;
+inline Pairs load_pairs(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xffff0000u))))};
+}
+inline RowPair row_pair(const float* p) { return {_mm256_broadcast_ss(p), _mm256_broadcast_ss(p + 1)}; }
+inline vf dot_pairs(vf acc, Pairs a, RowPair b) {
+  acc = _mm256_fmadd_ps(a.even, b.even, acc);
+  return _mm256_fmadd_ps(a.odd, b.odd, acc);
+}
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline void store_bf16(uint16_t* o, vf v, float inv) {
+  const __m256i bits = _mm256_srli_epi32(infer::bf16_round_bits(_mm256_mul_ps(v, _mm256_set1_ps(inv))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(o),
+                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
+}
+inline void pack_token_pair(const uint16_t* r0, const uint16_t* r1, uint32_t* dst) {
+  const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0)));
+  const __m256i hi = r1 != nullptr ? _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1)))
+                                   : _mm256_setzero_si256();
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm256_or_si256(lo, _mm256_slli_epi32(hi, 16)));
+}
+// query row r as the tiles read it: widened into row r of qf (d floats a row)
+inline const Operand* query_row(const uint16_t* q, int64_t d, std::vector<float>& qf, int64_t r) {
+  float* dst = qf.data() + r * d;
+  for (int64_t c = 0; c < d; ++c) {
+    const uint32_t bits = static_cast<uint32_t>(q[c]) << 16;
+    std::memcpy(dst + c, &bits, sizeof(bits));
+  }
+  return dst;
+}
+#endif
+
+constexpr int64_t kKeys = kKeyVectors * kLanes;  // keys per packed K block
+constexpr int64_t kChunkRows = 32;  // chunk rows per task: 0.89-0.95x the time of 16 on a Zen 4 (fewer K/V packs), 64 loses on short chunks
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 struct Args {
   const uint16_t* q;
@@ -73,59 +145,58 @@ struct Args {
   float scale;
 };
 
-// s[r][0:64] = q_r . keys of one packed block, float32, for ROWS rows.
+// s[r][0:kKeys] = q_r . keys of one packed block, float32, for ROWS rows.
 template <int ROWS>
-inline void scores(const uint16_t* const* q, int64_t pairs, const uint16_t* block, float* s, int64_t lds) {
-  __m512 acc[ROWS][4];
+inline void scores(const Operand* const* q, int64_t pairs, const uint16_t* block, float* s, int64_t lds) {
+  vf acc[ROWS][kKeyVectors];
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < kKeyVectors; ++j) acc[r][j] = vzero();
   for (int64_t p = 0; p < pairs; ++p) {
-    Pairs kv[4];
-    for (int j = 0; j < 4; ++j) kv[j] = as_pairs(_mm512_loadu_si512(block + (p * kKeys + 16 * j) * 2));
+    Pairs kv[kKeyVectors];
+    for (int j = 0; j < kKeyVectors; ++j) kv[j] = load_pairs(block + (p * kKeys + kLanes * j) * 2);
     for (int r = 0; r < ROWS; ++r) {
-      const Pairs qv = pair_of(q[r] + 2 * p);
-      for (int j = 0; j < 4; ++j) acc[r][j] = dot_pairs(acc[r][j], kv[j], qv);
+      const RowPair qv = row_pair(q[r] + 2 * p);
+      for (int j = 0; j < kKeyVectors; ++j) acc[r][j] = dot_pairs(acc[r][j], kv[j], qv);
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(s + r * lds + 16 * j, acc[r][j]);
+    for (int j = 0; j < kKeyVectors; ++j) vstore(s + r * lds + kLanes * j, acc[r][j]);
 }
 
-// o[r][c0:c0+16*NV] = (P_r V)[c0:...] / sum_r, rounded to bfloat16, for ROWS rows.
+// o[r][c0:c0+kLanes*NV] = (P_r V)[c0:...] / sum_r, rounded to bfloat16, for ROWS rows.
 template <int ROWS, int NV>
-inline void values(const uint16_t* p, int64_t ldp, int64_t token_pairs, const uint16_t* vp, int64_t d, int64_t c0,
+inline void values(const Operand* p, int64_t ldp, int64_t token_pairs, const uint16_t* vp, int64_t d, int64_t c0,
                    const float* inv_sum, uint16_t* const* o) {
-  __m512 acc[ROWS][NV];
+  vf acc[ROWS][NV];
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < NV; ++j) acc[r][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NV; ++j) acc[r][j] = vzero();
   for (int64_t t = 0; t < token_pairs; ++t) {
     Pairs vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = as_pairs(_mm512_loadu_si512(vp + (t * d + c0 + 16 * j) * 2));
+    for (int j = 0; j < NV; ++j) vv[j] = load_pairs(vp + (t * d + c0 + kLanes * j) * 2);
     for (int r = 0; r < ROWS; ++r) {
-      const Pairs pv = pair_of(p + r * ldp + 2 * t);
+      const RowPair pv = row_pair(p + r * ldp + 2 * t);
       for (int j = 0; j < NV; ++j) acc[r][j] = dot_pairs(acc[r][j], vv[j], pv);
     }
   }
-  for (int r = 0; r < ROWS; ++r) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[r]);
-    for (int j = 0; j < NV; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o[r] + c0 + 16 * j), to_bf16(_mm512_mul_ps(acc[r][j], inv)));
-  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < NV; ++j) store_bf16(o[r] + c0 + kLanes * j, acc[r][j], inv_sum[r]);
 }
 
 template <int ROWS>
-void values_all(const uint16_t* p, int64_t ldp, int64_t token_pairs, const uint16_t* vp, int64_t d,
+void values_all(const Operand* p, int64_t ldp, int64_t token_pairs, const uint16_t* vp, int64_t d,
                 const float* inv_sum, uint16_t* const* o) {
+  constexpr int NV = kLanes == 16 ? 4 : 2;  // 64 columns a pass (AVX-512), 16 (AVX2)
   int64_t c0 = 0;
-  for (; c0 + 64 <= d; c0 += 64) values<ROWS, 4>(p, ldp, token_pairs, vp, d, c0, inv_sum, o);
-  if (c0 < d) values<ROWS, 2>(p, ldp, token_pairs, vp, d, c0, inv_sum, o);  // d % 64 == 32
+  for (; c0 + NV * kLanes <= d; c0 += NV * kLanes) values<ROWS, NV>(p, ldp, token_pairs, vp, d, c0, inv_sum, o);
+  if (c0 < d) values<ROWS, NV / 2>(p, ldp, token_pairs, vp, d, c0, inv_sum, o);  // AVX-512: d % 64 == 32
 }
 
 struct Scratch {
   std::vector<uint32_t> k, v;  // packed keys, packed values (words: bfloat16 pairs)
   std::vector<float> s, inv_sum;
-  std::vector<uint16_t> p;
-  std::vector<const uint16_t*> q;
+  std::vector<Operand> p;
+  std::vector<float> qf;  // AVX2: the query rows widened to float32
+  std::vector<const Operand*> q;
   std::vector<uint16_t*> o;
 };
 
@@ -150,9 +221,10 @@ void task(const Args& a, int64_t start, int64_t cached, const int64_t* table, in
     }
   }
   w.q.resize(rows), w.o.resize(rows);
+  w.qf.resize(std::is_same_v<Operand, float> ? rows * d : 0);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t row = start + i0 + r / group, head = h * group + r % group;
-    w.q[r] = a.q + row * a.q_row + head * a.q_head;
+    w.q[r] = query_row(a.q + row * a.q_row + head * a.q_head, d, w.qf, r);
     w.o[r] = a.out + row * a.out_row + head * a.out_head;
   }
   // S = Q K^T over the key blocks each tile's last row sees
@@ -165,7 +237,7 @@ void task(const Args& a, int64_t start, int64_t cached, const int64_t* table, in
                 w.s.data() + r * keys + b * kKeys, keys);
   };
   int64_t r = 0;
-  for (; r + 6 <= rows; r += 6) score_rows(std::integral_constant<int, 6>{}, r);
+  for (; r + kTileRows <= rows; r += kTileRows) score_rows(std::integral_constant<int, kTileRows>{}, r);
   for (; r + 2 <= rows; r += 2) score_rows(std::integral_constant<int, 2>{}, r);
   for (; r < rows; ++r) score_rows(std::integral_constant<int, 1>{}, r);
   // P = exp(scale * S - max) over the visible keys, zero past them, rounded to bfloat16
@@ -179,12 +251,7 @@ void task(const Args& a, int64_t start, int64_t cached, const int64_t* table, in
     const uint16_t* r0 = token(a.v_cache, 2 * t);
     const uint16_t* r1 = 2 * t + 1 < len ? token(a.v_cache, 2 * t + 1) : nullptr;
     uint32_t* dst = w.v.data() + t * d;
-    for (int64_t c = 0; c < d; c += 16) {
-      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + c)));
-      const __m512i hi = r1 != nullptr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + c)))
-                                       : _mm512_setzero_si512();
-      _mm512_storeu_si512(dst + c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-    }
+    for (int64_t c = 0; c < d; c += kLanes) pack_token_pair(r0 + c, r1 != nullptr ? r1 + c : nullptr, dst + c);
   }
   // O = P V over the token pairs each tile's last row sees
   const auto* vp = reinterpret_cast<const uint16_t*>(w.v.data());
@@ -194,7 +261,7 @@ void task(const Args& a, int64_t start, int64_t cached, const int64_t* table, in
     values_all<R>(w.p.data() + r * ldp, ldp, tp, vp, d, w.inv_sum.data() + r, w.o.data() + r);
   };
   r = 0;
-  for (; r + 6 <= rows; r += 6) value_rows(std::integral_constant<int, 6>{}, r);
+  for (; r + kTileRows <= rows; r += kTileRows) value_rows(std::integral_constant<int, kTileRows>{}, r);
   for (; r + 2 <= rows; r += 2) value_rows(std::integral_constant<int, 2>{}, r);
   for (; r < rows; ++r) value_rows(std::integral_constant<int, 1>{}, r);
 }
@@ -245,7 +312,7 @@ bool available() { return true; }
 
 void chunk_attention(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                      torch::Tensor, torch::Tensor, double) {
-  TORCH_CHECK(false, "chunk_attention: built for a CPU without AVX-512");
+  TORCH_CHECK(false, "chunk_attention: built for a CPU without AVX2 and FMA");
 }
 
 bool available() { return false; }
@@ -254,8 +321,9 @@ bool available() { return false; }
 
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("chunk_attention", &chunk_attention, "attention of prompt chunks over the paged cache on AVX-512 (BF16 or F) (CPU)",
+  m.def("chunk_attention", &chunk_attention,
+        "attention of prompt chunks over the paged cache on AVX-512 (BF16 or F) or AVX2 + FMA (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("available", &available, "whether this build has the kernel (its target has AVX-512F at least)");
+  m.def("available", &available, "whether this build has the kernel (its target has AVX2 and FMA at least)");
 }
 #endif

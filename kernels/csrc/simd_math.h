@@ -10,6 +10,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cmath>
+#include <cstdint>
+
 namespace infer {
 
 // exp16's polynomial on 8 lanes (AVX2 has no scalef: 2^n goes into the exponent bits).
@@ -30,6 +33,57 @@ __attribute__((always_inline)) inline __m256 exp8(__m256 x) {
   // n in [-126, 128): 2^n as float bits; p in [0.7, 1.42], so p * 2^n stays finite up to e^88
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lanes 0 .. n - 1 set (all bits), the others clear: n <= 0 none, n >= 8 all.
+__attribute__((always_inline)) inline __m256i lanes_below(int64_t n) {
+  const int live = n <= 0 ? 0 : n >= 8 ? 8 : static_cast<int>(n);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(live), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+__attribute__((always_inline)) inline float reduce_max8(__m256 v) {
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+}
+
+__attribute__((always_inline)) inline float reduce_add8(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+// float32 bits rounded to the nearest even bfloat16, which sits in the high half of each lane (8 lanes).
+__attribute__((always_inline)) inline __m256i bf16_round_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+
+// The AVX-512 softmax_row_bf16 below on 8 lanes, for the avx2 class's chunk attention: p[j] = exp(scale * s[j] -
+// max) for the first `visible` scores, zero from there to `width`, rounded to bfloat16 (nearest even) and stored
+// as float32 (the rounded values, exact: the kernel broadcasts them as they are, widened once here); returns
+// 1 / (the sum of the rounded values).
+inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, float scale, float* p) {
+  const __m256 vscale = _mm256_set1_ps(scale), none = _mm256_set1_ps(-INFINITY);
+  __m256 vmax = none;
+  for (int64_t j = 0; j < visible; j += 8) {
+    const __m256i lanes = lanes_below(visible - j);
+    const __m256 x = _mm256_mul_ps(_mm256_maskload_ps(s + j, lanes), vscale);
+    vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(none, x, _mm256_castsi256_ps(lanes)));
+  }
+  const __m256 m = _mm256_set1_ps(reduce_max8(vmax));
+  const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  __m256 vsum = _mm256_setzero_ps();
+  for (int64_t j = 0; j < width; j += 8) {
+    const __m256i lanes = lanes_below(visible - j);
+    const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_maskload_ps(s + j, lanes), vscale, m)),  // scale s - max
+                                   _mm256_castsi256_ps(lanes));
+    const __m256 rounded = _mm256_and_ps(_mm256_castsi256_ps(bf16_round_bits(e)), high);
+    _mm256_maskstore_ps(p + j, lanes_below(width - j), rounded);
+    vsum = _mm256_add_ps(vsum, rounded);  // the sum of what P V multiplies: the rounded values
+  }
+  return 1.f / reduce_add8(vsum);
 }
 
 }  // namespace infer

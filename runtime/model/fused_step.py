@@ -122,7 +122,7 @@ class FusedStep:
             chunks = self.no_chunks
         elif (self.chunk_kernel is None or ctx.fresh or ctx.padded.count or len(ctx.in_place) != 1
               or ctx.in_place[0].kernel is not self.chunk_kernel):
-            return None  # prompt chunks on SDPA (every class below AVX-512 BF16): the Python loop runs those
+            return None  # prompt chunks on SDPA (a head_dim the chunk kernel does not take): the Python loop runs those
         else:
             c = ctx.in_place[0]
             chunks = (c.starts, c.lengths, c.cached, c.tables)
