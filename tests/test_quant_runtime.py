@@ -92,8 +92,10 @@ def ckpts(tmp_path_factory, embedded_artifact, cache_dir):
             from infer.pipeline.build import build
             from infer.pipeline.config import compose_recipe
 
+            # in float32, as the other checkpoints here (the recipe builds from bfloat16 by default)
             return build(compose_recipe(["recipe=smollm2_135m_fp8", f"model.source={embedded_artifact}",
-                                         f"output_dir={root / scheme}", f"cache_dir={cache_dir}"])).artifact
+                                         "model.dtype=float32", f"output_dir={root / scheme}",
+                                         f"cache_dir={cache_dir}"])).artifact
         return rtn_checkpoint(embedded_artifact, root / scheme, scheme)
     return make
 

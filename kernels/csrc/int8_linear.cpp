@@ -416,49 +416,51 @@ inline void tile16_widened(const float* xf, int64_t k, const float* wf, const fl
 }
 
 #if defined(__AVX512BF16__)
-// A prompt chunk on AVX-512 BF16: each slice of 32 columns widened once to bfloat16 pairs (exact: every int8 and
+// A prompt chunk on AVX-512 BF16: each block widened once to bfloat16 pairs (exact: every int8 and
 // every e4m3 value is a bfloat16 value), then tiles of rows that do nothing but vdpbf16ps, two products a lane
 // an instruction against bfloat16 x pairs (W8A16: x itself; FP8: its e4m3 codes, exact in bfloat16), exact
-// products, float32 sums. Float32 FMA on widened weights reached 0.43x of the bfloat16 linears' prefill here.
+// products, float32 sums (tiles of 24 sums: 6 rows x 64 columns, 12 x 32, as bf16_linear.cpp's). Float32 FMA on
+// widened weights reached 0.43x of the bfloat16 linears' prefill on Zen 5.
 constexpr bool kPairs = true;
-constexpr int kPairRows = 12;
-// rows a work item where each item widens its block first: 48 rows (the other kernels') widened each block of a
-// 256-token prompt 6 times, 0.90x bfloat16's prefill rate for W8A16 on Zen 5
-constexpr int64_t kWidenedRowChunk = 128;  // 24 accumulators, two weight vectors and a broadcast live
+// rows a work item, each item widening its block first: the other kernels' 48 widened each block of a 256-token
+// prompt 6 times (W8A16 0.90x bfloat16's rate on Zen 5, 128 rows 0.93x, 256 0.95-0.97x)
+constexpr int64_t kWidenedRowChunk = 256;
 
+// the block's weights ([K][width] codes) widened to bfloat16 pairs, [K/2][width] 32-bit words
 template <bool FP8>
-inline void widen_slice_pairs(const int8_t* block, int64_t k, int64_t width, int64_t c0, int32_t* wp) {
+inline void widen_block_pairs(const int8_t* block, int64_t k, int64_t width, int32_t* wp) {
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < k / 2; ++p)
-    for (int j = 0; j < 2; ++j) {
-      const vf even = widen8<FP8>(block + 2 * p * width + c0 + 16 * j);
-      const vf odd = widen8<FP8>(block + (2 * p + 1) * width + c0 + 16 * j);
-      _mm512_storeu_si512(wp + p * 32 + 16 * j, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                                _mm512_and_si512(_mm512_castps_si512(odd), high)));
+    for (int64_t c = 0; c < width; c += 16) {
+      const vf even = widen8<FP8>(block + 2 * p * width + c), odd = widen8<FP8>(block + (2 * p + 1) * width + c);
+      _mm512_storeu_si512(wp + p * width + c, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                                              _mm512_and_si512(_mm512_castps_si512(odd), high)));
     }
 }
 
-template <int ROWS>
+// y[0:ROWS, the block's V x 16 columns from col0] against its widened pairs (V x 16 words a pair)
+template <int ROWS, int V>
 inline void tile_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int32_t* wp, const float* scale,
                        const float* xscale, const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
-  __m512 acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  __m512 acc[ROWS][V];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < V; ++j) acc[r][j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * 32), w1 = (__m512bh)_mm512_loadu_si512(wp + p * 32 + 16);
+    __m512bh w[V];
+    for (int j = 0; j < V; ++j) w[j] = (__m512bh)_mm512_loadu_si512(wp + (p * V + j) * 16);
     for (int r = 0; r < ROWS; ++r) {
       int32_t pair;
       std::memcpy(&pair, xh + r * ldh + 2 * p, sizeof(pair));
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+      for (int j = 0; j < V; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], xv);
     }
   }
-  alignas(64) float out[ROWS][2][16];  // (as tile16)
+  alignas(64) float out[ROWS][V][16];  // (as tile16)
 #pragma GCC unroll 64
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) vstore(out[r][j], acc[r][j]);
-  for (int j = 0; j < 2; ++j) {
+#pragma GCC unroll 4
+    for (int j = 0; j < V; ++j) vstore(out[r][j], acc[r][j]);
+  for (int j = 0; j < V; ++j) {
     const int64_t col = col0 + 16 * j;
     const vf s = vload(scale + 16 * j);
     for (int r = 0; r < ROWS; ++r)
@@ -485,17 +487,15 @@ inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, in
 #if defined(__AVX512BF16__)
   if (xh != nullptr) {
     thread_local std::vector<int32_t> wp;
-    wp.resize(k / 2 * 32);
-    for (int64_t c0 = 0; c0 < width; c0 += 32) {
-      widen_slice_pairs<FP8>(block, k, width, c0, wp.data());
-      const float* s = scale + c0;
-      const int64_t col0 = n0 + c0, pairs = k / 2;
-      int64_t i = r;
-      for (; i + kPairRows <= r1; i += kPairRows)
-        tile_pairs<kPairRows>(xh + i * ldh, ldh, pairs, wp.data(), s, xs(i), bias, y + i * n, n, col0, n);
-      for (; i + 4 <= r1; i += 4) tile_pairs<4>(xh + i * ldh, ldh, pairs, wp.data(), s, xs(i), bias, y + i * n, n, col0, n);
-      for (; i < r1; ++i) tile_pairs<1>(xh + i * ldh, ldh, pairs, wp.data(), s, xs(i), bias, y + i * n, n, col0, n);
-    }
+    wp.resize(k / 2 * width);
+    widen_block_pairs<FP8>(block, k, width, wp.data());
+    constexpr int rows = 24 / V;  // 24 sums
+    const int64_t pairs = k / 2;
+    int64_t i = r;
+    for (; i + rows <= r1; i += rows)
+      tile_pairs<rows, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xs(i), bias, y + i * n, n, n0, n);
+    for (; i + 2 <= r1; i += 2) tile_pairs<2, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xs(i), bias, y + i * n, n, n0, n);
+    for (; i < r1; ++i) tile_pairs<1, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xs(i), bias, y + i * n, n, n0, n);
     return;
   }
 #endif
