@@ -18,21 +18,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from .replicas import _bin, _start, _stop, _wait_ready
 from .speculative import SETS, load_set
-
-CLIENT = """import sys
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.benchmarks.serve import add_cli_args, main
-p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))
-"""
-METRICS = ("output_throughput", "median_tpot_ms", "p99_tpot_ms", "median_ttft_ms", "p99_ttft_ms")
-
+from .vllm_serve import METRICS, run_client, served_model
 
 def write_dataset(artifact: str, path: Path) -> int:
     """The prompt sets as vLLM's custom dataset: one {"prompt": text} a line, the chat template applied."""
@@ -48,17 +40,9 @@ def write_dataset(artifact: str, path: Path) -> int:
 
 
 def client(args, dataset: Path, n: int, rate: str, port: int, out: Path) -> dict:
-    cmd = [args.vllm_python, "-c", CLIENT, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
-           "--endpoint", "/v1/completions", "--model", args.model_name, "--tokenizer", args.artifact,
-           "--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
-           "--custom-output-len", str(args.output_len), "--num-prompts", str(n), "--request-rate", rate,
-           "--ignore-eos", "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-           "--seed", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
-    done = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
-    if done.returncode != 0 or not out.exists():
-        raise SystemExit(f"vLLM's client failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
-    return {k: json.loads(out.read_text())[k] for k in METRICS}
+    return run_client(args.vllm_python, port, args.model_name, args.artifact,
+                      ["--dataset-name", "custom", "--dataset-path", str(dataset), "--skip-chat-template",
+                       "--custom-output-len", str(args.output_len)], n, rate, out)
 
 
 def main(argv=None) -> None:
@@ -86,9 +70,7 @@ def main(argv=None) -> None:
                            *modes[mode]], log)
             try:
                 _wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
-                models = json.loads(subprocess.run(["curl", "-s", f"http://127.0.0.1:{args.port}/v1/models"],
-                                                   capture_output=True, text=True).stdout)
-                args.model_name = models["data"][0]["id"]
+                args.model_name = served_model(args.port)
                 for rate in args.rates:
                     res = client(args, work / "prompts.jsonl", n, rate, args.port, work / f"{mode}-{rate}-{r}.json")
                     runs[rate][mode].append(res)
