@@ -37,6 +37,8 @@ def _weight(n, k, group, asym, gen):
     (15, 576, 1536, 128, False, True),  # the last row count that splits blocks in advance
     (16, 960, 576, 64, True, False),  # the first that takes work items from the counter
     (100, 40, 256, 256, False, False),  # per channel (one group), prompt-chunk rows
+    (141, 100, 192, 32, True, True),  # prompt-chunk rows across the 128-row work item, every tile size, a bias
+    (257, 72, 512, 128, True, False),  # two whole work items and one row, a partial block, asymmetric
 ])
 def test_int4_linear_matches_float64(m, n, k, group, asym, bias):
     seed = torch.initial_seed()
@@ -58,6 +60,23 @@ def test_int4_linear_matches_float64(m, n, k, group, asym, bias):
     magnitude = x.double().abs() @ w.abs().t()
     assert (err <= rounding + 1e-6).float().mean() >= 0.99, (err - rounding).max()
     assert (err <= want.abs() * 2.0 ** -7 + magnitude * 2.0 ** -10).all(), (err / magnitude).max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("m, n, k, group, asym", [(141, 100, 192, 32, True), (37, 64, 512, 128, False)])
+def test_a_prompt_chunks_rows_are_the_decode_rows_bit_for_bit(m, n, k, group, asym):
+    # a prompt chunk widens each block once and sums the same exact products in the same order as a decode
+    # step's streaming tiles: every row comes out as it does alone
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    q, scale, zero, _ = _weight(n, k, group, asym, gen)
+    packed, scales, offsets = int4_linear.pack(q, scale, zero)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, generator=gen)
+    chunk = MODULE.int4_linear(x, packed, scales, offsets, n, b)
+    alone = torch.cat([MODULE.int4_linear(x[i:i + 1].contiguous(), packed, scales, offsets, n, b) for i in range(m)])
+    assert torch.equal(chunk.view(torch.int16), alone.view(torch.int16))
 
 
 @needs_kernel

@@ -26,6 +26,7 @@
 #include "simd_math.h"
 #include "work_split.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -33,6 +34,10 @@
 namespace {
 
 constexpr int64_t BLOCK_N = 32;  // output columns per weight block
+
+// Rows a work item of a prompt chunk, where each item widens its block once first (int8_linear.cpp's choice: the
+// other kernels' 48 widened each block of a 256-token prompt 6 times)
+constexpr int64_t kWidenedRowChunk = 128;
 
 // How far ahead of its loads a tile prefetches its block (both paths below, as bf16_linear.cpp does): a
 // batch-1 sweep of the embedded model's 120 decoder shapes in int4 went from 0.63 of a `sum`'s read bandwidth to 0.68
@@ -155,6 +160,87 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
   for (; r < r1; ++r) tile<1>(a, blk, r);
 }
 
+// A prompt chunk: the block's pairs made once a work item (the very vectors `tile` makes, 4 K/8 x 2 of them,
+// K x 64 bytes, in cache), then tiles of rows that do nothing but vdpbf16ps on them: the same products summed in
+// the same order, so every row's result is the one `tile` gives, bit for bit. Decoding the nibbles in every tile
+// of 6 rows left a 256-row chunk at 0.84x the bfloat16 linear's rate on Zen 5.
+constexpr int kPairRows = 12;  // 24 sums, two weight vectors and a broadcast live; y waits in memory per group
+
+inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
+  const int64_t words = a.k / 8;
+  const uint32_t* wb = a.w + blk * words * BLOCK_N;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
+  for (int64_t kw = 0; kw < words; ++kw) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
+    const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      int32_t* out = wp + (4 * kw + j) * BLOCK_N;
+      _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v0, 4 * j), nibbles, exponent, 0xEA));
+      _mm512_storeu_si512(out + 16, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA));
+    }
+  }
+}
+
+template <int ROWS>
+inline void tile_pairs(const Args& a, const int32_t* wp, int64_t blk, int64_t r0) {
+  const float* sb = a.scale + blk * a.groups * BLOCK_N;
+  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N : nullptr;
+  const int64_t pairs = 4 * a.group_words;  // k pairs a group
+  alignas(64) float y[ROWS][2][16] = {};
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __m512 acc[ROWS][2];
+#pragma GCC unroll 64
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const int32_t* wg = wp + g * pairs * BLOCK_N;
+    const uint16_t* xg = a.x + r0 * a.k + 2 * g * pairs;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wg + p * BLOCK_N);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wg + p * BLOCK_N + 16);
+#pragma GCC unroll 64
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xg + r * a.k + 2 * p, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(sb + g * BLOCK_N), s1 = _mm512_loadu_ps(sb + g * BLOCK_N + 16);
+    const __m512 o0 = ob != nullptr ? _mm512_loadu_ps(ob + g * BLOCK_N) : _mm512_set1_ps(136.f);
+    const __m512 o1 = ob != nullptr ? _mm512_loadu_ps(ob + g * BLOCK_N + 16) : _mm512_set1_ps(136.f);
+#pragma GCC unroll 64
+    for (int r = 0; r < ROWS; ++r) {  // as `tile`
+      const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]);
+      _mm512_store_ps(y[r][0], _mm512_fmadd_ps(s0, _mm512_fnmadd_ps(o0, xs, acc[r][0]), _mm512_load_ps(y[r][0])));
+      _mm512_store_ps(y[r][1], _mm512_fmadd_ps(s1, _mm512_fnmadd_ps(o1, xs, acc[r][1]), _mm512_load_ps(y[r][1])));
+    }
+  }
+  for (int h = 0; h < 2; ++h) {
+    const int64_t col = blk * BLOCK_N + 16 * h;
+    if (col >= a.n) break;
+    const __mmask16 live = col + 16 <= a.n ? 0xFFFF : static_cast<__mmask16>((1u << (a.n - col)) - 1);
+    const __m512 b = a.bias != nullptr ? _mm512_maskz_loadu_ps(live, a.bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < ROWS; ++r)
+      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.n + col, live, to_bf16(_mm512_add_ps(_mm512_load_ps(y[r][h]), b)));
+  }
+}
+
+void rows_widened(const Args& a, int64_t blk, int64_t r, int64_t r1) {
+  thread_local std::vector<int32_t> wp;
+  wp.resize(a.k / 2 * BLOCK_N);
+  widen_block_pairs(a, blk, wp.data());
+  for (; r + kPairRows <= r1; r += kPairRows) tile_pairs<kPairRows>(a, wp.data(), blk, r);
+  if (r + 8 <= r1) {  // a 128-row item's last 8: 16 sums, enough to cover vdpbf16ps's latency
+    tile_pairs<8>(a, wp.data(), blk, r);
+    r += 8;
+  }
+  for (; r + 4 <= r1; r += 4) tile_pairs<4>(a, wp.data(), blk, r);
+  for (; r + 2 <= r1; r += 2) tile_pairs<2>(a, wp.data(), blk, r);
+  for (; r < r1; ++r) tile_pairs<1>(a, wp.data(), blk, r);
+}
+
 }  // namespace
 
 // x: [M, K] bfloat16, contiguous; packed: [ceil(N/32), K/8, 32] int32, scales (and offsets, or None):
@@ -165,11 +251,13 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t m = in.m, k = in.k, blocks = in.blocks, groups = in.groups;
   const float *off = in.offsets, *b = in.bias;
   auto y = torch::empty({m, n}, x.options());
-  // sum of x over each group, in float32, from the bfloat16 values the products use
+  // sum of x over each group, in float32, from the bfloat16 values the products use (a prompt chunk's rows over
+  // the threads)
   std::vector<float> xsum(m * groups);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t group_size = k / groups;
-  for (int64_t r = 0; r < m; ++r)
+  const bool widened = m >= infer::kDynamicRows;
+  auto sum_row = [&](int64_t r) {
     for (int64_t g = 0; g < groups; ++g) {
       __m512 s = _mm512_setzero_ps();
       int64_t i = g * group_size;
@@ -185,9 +273,20 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       }
       xsum[r * groups + g] = t;
     }
+  };
+  if (widened)
+    at::parallel_for(0, m, 1, [&](int64_t first, int64_t last) {
+      for (int64_t r = first; r < last; ++r) sum_row(r);
+    });
+  else
+    for (int64_t r = 0; r < m; ++r) sum_row(r);
   const Args a{xp, xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
                reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups, group_size / 8};
-  infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
+  if (widened)
+    infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows_widened(a, blk, r0, r1); },
+                               kWidenedRowChunk);
+  else
+    infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
   return y;
 }
 
@@ -215,6 +314,18 @@ inline vf vsub128(vf v) { return _mm512_sub_ps(v, _mm512_set1_ps(128.f)); }
 inline vi vand(vi a, vi b) { return _mm512_and_si512(a, b); }
 inline vf vcvt(vi v) { return _mm512_cvtepi32_ps(v); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
+inline vi vsrl(vi v, int n) { return _mm512_srli_epi32(v, n); }
+inline vf load_bf16(const uint16_t* p) {  // 16 bfloat16 widened (exact)
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// a whole vector rounded to bfloat16 as infer::from_float rounds (nearest even, finite values) and stored
+inline void store_bf16(uint16_t* p, vf v) {
+  __m512i b = _mm512_castps_si512(v);
+  b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
+                                         _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+}
 #else
 using vf = __m256;
 using vi = __m256i;
@@ -232,12 +343,24 @@ inline vf vsub128(vf v) { return _mm256_sub_ps(v, _mm256_set1_ps(128.f)); }
 inline vi vand(vi a, vi b) { return _mm256_and_si256(a, b); }
 inline vf vcvt(vi v) { return _mm256_cvtepi32_ps(v); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
+inline vi vsrl(vi v, int n) { return _mm256_srli_epi32(v, n); }
+inline vf load_bf16(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void store_bf16(uint16_t* p, vf v) {
+  __m256i b = _mm256_castps_si256(v);
+  b = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
+                                         _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
 #endif
 constexpr int V = BLOCK_N / kLanes;  // vectors a block row
 constexpr float kNibbleScale[4] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096};  // 16^-j, exact
 
 struct Args {
-  const float* x;     // [M, K] float32 (the bfloat16 input, widened exactly)
+  const float* x;     // [M, K] float32: the bfloat16 input widened exactly (times 16^-j for `tile`, as it is for
+                      // `tile_widened`)
   const float* xsum;  // [M, G]: sum of x over each group
   const uint32_t* w;  // [N/32][K/8][32]
   const float* scale;  // [N/32][G][32]
@@ -313,6 +436,109 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
   for (; r < r1; ++r) tile<1>(a, blk, r);
 }
 
+// A prompt chunk: each slice of 2 vectors of a block's columns widened once a work item to the float32 u (exact;
+// K x 2 kLanes floats, in cache), laid out per group as its even k's then its odd k's, then tiles of rows that do
+// nothing but FMA: the even k's summed into one set of registers, then the odd k's into another, then added, as
+// `tile` sums them (x u, exact, is the product `tile` forms as x 16^-j times u 16^j), so every row's result is
+// the one `tile` gives, bit for bit. Masking and converting in every tile left a 256-row chunk at 0.6x the
+// bfloat16 linear's rate on Zen 5 forced to avx2.
+constexpr int kSlice = 2 * kLanes;  // columns a slice
+constexpr int kWideRows = kLanes == 16 ? 12 : 6;  // 2 x rows sums, two weight vectors and a broadcast live
+
+inline void widen_slice(const Args& a, int64_t blk, int64_t c0, float* wf) {
+  const int64_t words = a.k / 8, half = 4 * a.group_words;  // k's of one parity a group
+  const uint32_t* wb = a.w + blk * words * BLOCK_N + c0;
+  const vi nibble = vwords(0xFu);
+  for (int64_t kw = 0; kw < words; ++kw) {
+    _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
+    const int64_t g = kw / a.group_words, i = 4 * (kw % a.group_words);
+    float* even = wf + (2 * g * half + i) * kSlice;
+    float* odd = even + half * kSlice;
+    for (int v = 0; v < 2; ++v) {
+      const vi lo = vload_words(wb + kw * BLOCK_N + v * kLanes), hi = vsrl16(lo);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        vstore(even + j * kSlice + v * kLanes, vcvt(vand(vsrl(lo, 4 * j), nibble)));
+        vstore(odd + j * kSlice + v * kLanes, vcvt(vand(vsrl(hi, 4 * j), nibble)));
+      }
+    }
+  }
+}
+
+template <int ROWS>
+inline void tile_widened(const Args& a, const float* wf, int64_t blk, int64_t c0, int64_t r0) {
+  const int64_t half = 4 * a.group_words, group_size = 8 * a.group_words;
+  const float* sb = a.scale + blk * a.groups * BLOCK_N + c0;
+  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N + c0 : nullptr;
+  alignas(64) float sym[kSlice];
+  for (int i = 0; i < kSlice; ++i) sym[i] = 136.f;
+  alignas(64) float y[ROWS][2][kLanes] = {};
+  alignas(64) float even[ROWS][2][kLanes];
+  for (int64_t g = 0; g < a.groups; ++g) {
+    for (int parity = 0; parity < 2; ++parity) {
+      vf acc[ROWS][2];
+#pragma GCC unroll 64
+      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
+      const float* w = wf + (2 * g + parity) * half * kSlice;
+      const float* x = a.x + r0 * a.k + g * group_size + parity;
+      for (int64_t i = 0; i < half; ++i) {
+        const vf w0 = vload(w + i * kSlice), w1 = vload(w + i * kSlice + kLanes);
+#pragma GCC unroll 64
+        for (int r = 0; r < ROWS; ++r) {
+          const vf xb = vbroadcast(x + r * a.k + 2 * i);
+          acc[r][0] = vfma(xb, w0, acc[r][0]);
+          acc[r][1] = vfma(xb, w1, acc[r][1]);
+        }
+      }
+      if (parity == 0) {
+#pragma GCC unroll 64
+        for (int r = 0; r < ROWS; ++r) {
+          vstore(even[r][0], acc[r][0]);
+          vstore(even[r][1], acc[r][1]);
+        }
+        continue;
+      }
+      const float* off = ob != nullptr ? ob + g * BLOCK_N : sym;
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v) {  // as `tile`
+        const vf s = vload(sb + g * BLOCK_N + v * kLanes), o = vsub128(vload(off + v * kLanes));
+#pragma GCC unroll 64
+        for (int r = 0; r < ROWS; ++r) {
+          const vf sum = vadd(vload(even[r][v]), acc[r][v]);
+          vstore(y[r][v], vfma(s, vfnma(o, vbroadcast(a.xsum + (r0 + r) * a.groups + g), sum), vload(y[r][v])));
+        }
+      }
+    }
+  }
+  for (int v = 0; v < 2; ++v) {
+    const int64_t col = blk * BLOCK_N + c0 + v * kLanes;
+    if (col >= a.n) break;
+    for (int r = 0; r < ROWS; ++r) {
+      uint16_t* yr = a.y + (r0 + r) * a.n + col;
+      if (col + kLanes <= a.n) {
+        store_bf16(yr, vadd(vload(y[r][v]), a.bias != nullptr ? vload(a.bias + col) : vzero()));
+        continue;
+      }
+      for (int i = 0; i < kLanes && col + i < a.n; ++i)
+        yr[i] = infer::from_float<at::BFloat16>(y[r][v][i] + (a.bias != nullptr ? a.bias[col + i] : 0.f)).x;
+    }
+  }
+}
+
+void rows_widened(const Args& a, int64_t blk, int64_t r, int64_t r1) {
+  thread_local std::vector<float> wf;
+  wf.resize(a.k * kSlice);
+  for (int64_t c0 = 0; c0 < BLOCK_N; c0 += kSlice) {
+    if (blk * BLOCK_N + c0 >= a.n) break;
+    widen_slice(a, blk, c0, wf.data());
+    int64_t i = r;
+    for (; i + kWideRows <= r1; i += kWideRows) tile_widened<kWideRows>(a, wf.data(), blk, c0, i);
+    for (; i + 4 <= r1; i += 4) tile_widened<4>(a, wf.data(), blk, c0, i);
+    for (; i + 2 <= r1; i += 2) tile_widened<2>(a, wf.data(), blk, c0, i);
+    for (; i < r1; ++i) tile_widened<1>(a, wf.data(), blk, c0, i);
+  }
+}
+
 }  // namespace
 
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, c10::optional<torch::Tensor> offsets,
@@ -326,20 +552,54 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   const int64_t group_size = k / groups;
   std::vector<float> xf(m * k), xsum(m * groups);
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float t = 0.f;
-      for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
-        const float v = infer::to_float(xp[r * k + i]);
-        t += v;
-        xf[r * k + i] = v * kNibbleScale[(i % 8) / 2];  // k = 8 kw + 2j (+1): nibble j sits at bits 4j
+  const bool widened = m >= infer::kDynamicRows;
+  if (!widened) {
+    for (int64_t r = 0; r < m; ++r)
+      for (int64_t g = 0; g < groups; ++g) {
+        float t = 0.f;
+        for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
+          const float v = infer::to_float(xp[r * k + i]);
+          t += v;
+          xf[r * k + i] = v * kNibbleScale[(i % 8) / 2];  // k = 8 kw + 2j (+1): nibble j sits at bits 4j
+        }
+        xsum[r * groups + g] = t;
       }
-      xsum[r * groups + g] = t;
-    }
+  } else {
+    // a prompt chunk: x as it is, in vectors, 8 rows at a time over the threads; each row's group sums added in
+    // the order above (8 rows' sums side by side, so the additions need not wait on one another)
+    const auto* xb = reinterpret_cast<const uint16_t*>(xp);
+    at::parallel_for(0, (m + 7) / 8, 1, [&](int64_t first, int64_t last) {
+      for (int64_t r0 = 8 * first; r0 < std::min(m, 8 * last); r0 += 8) {
+        const int64_t rows = std::min<int64_t>(8, m - r0);
+        for (int64_t r = r0; r < r0 + rows; ++r) {
+          int64_t i = 0;
+          for (; i + kLanes <= k; i += kLanes) vstore(xf.data() + r * k + i, load_bf16(xb + r * k + i));
+          for (; i < k; ++i) xf[r * k + i] = infer::to_float(xp[r * k + i]);
+        }
+        for (int64_t g = 0; g < groups; ++g) {
+          float t[8] = {};
+          const float* xg = xf.data() + r0 * k + g * group_size;
+          if (rows == 8) {
+            for (int64_t i = 0; i < group_size; ++i)
+#pragma GCC unroll 8
+              for (int l = 0; l < 8; ++l) t[l] += xg[l * k + i];
+          } else {
+            for (int l = 0; l < rows; ++l)
+              for (int64_t i = 0; i < group_size; ++i) t[l] += xg[l * k + i];
+          }
+          for (int l = 0; l < rows; ++l) xsum[(r0 + l) * groups + g] = t[l];
+        }
+      }
+    });
+  }
   const Args a{xf.data(), xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
                scales.data_ptr<float>(), off, b, reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups,
                group_size / 8};
-  infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
+  if (widened)
+    infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows_widened(a, blk, r0, r1); },
+                               kWidenedRowChunk);
+  else
+    infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) { rows(a, blk, r0, r1); });
   return y;
 }
 
