@@ -415,6 +415,10 @@ inline void tile16_widened(const float* xf, int64_t k, const float* wf, const fl
   }
 }
 
+// Rows a W8A16 / FP8 work item, each item widening its block (or its slices) first: the other kernels' 48 widened
+// each block of a 256-token prompt 6 times (W8A16 0.90x bfloat16's rate on Zen 5, 128 rows 0.93x, 256 0.95-0.97x)
+constexpr int64_t kWidenedRowChunk = 256;
+
 #if defined(__AVX512BF16__)
 // A prompt chunk on AVX-512 BF16: each block widened once to bfloat16 pairs (exact: every int8 and
 // every e4m3 value is a bfloat16 value), then tiles of rows that do nothing but vdpbf16ps, two products a lane
@@ -422,9 +426,6 @@ inline void tile16_widened(const float* xf, int64_t k, const float* wf, const fl
 // products, float32 sums (tiles of 24 sums: 6 rows x 64 columns, 12 x 32, as bf16_linear.cpp's). Float32 FMA on
 // widened weights reached 0.43x of the bfloat16 linears' prefill on Zen 5.
 constexpr bool kPairs = true;
-// rows a work item, each item widening its block first: the other kernels' 48 widened each block of a 256-token
-// prompt 6 times (W8A16 0.90x bfloat16's rate on Zen 5, 128 rows 0.93x, 256 0.95-0.97x)
-constexpr int64_t kWidenedRowChunk = 256;
 
 // the block's weights ([K][width] codes) widened to bfloat16 pairs, [K/2][width] 32-bit words
 template <bool FP8>
@@ -474,7 +475,6 @@ inline void store_bf16_exact(uint16_t* p, vf v) {
 }
 #else
 constexpr bool kPairs = false;
-constexpr int64_t kWidenedRowChunk = infer::kRowChunk;
 #endif
 
 template <bool FP8, int V>  // vectors a block row: width / kLanes
@@ -653,7 +653,7 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
       rows_of_block16<FP8, 64 / kLanes>(xp, xh, ldh, k, w, s, xs, in.bias, yp, blk * width, n, r, r1);
     else
       rows_of_block16<FP8, 32 / kLanes>(xp, xh, ldh, k, w, s, xs, in.bias, yp, blk * width, n, r, r1);
-  }, pairs ? kWidenedRowChunk : infer::kRowChunk);
+  }, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
   return y;
 }
 
