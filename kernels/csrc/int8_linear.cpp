@@ -182,7 +182,7 @@ inline vi odd_pairs(vi w) { return _mm256_srai_epi16(w, 8); }
 #endif
 
 // Row preparation (what the tiles read of x), in vectors: bfloat16 loads, |x|, max, x / scale, clamps, and the
-// roundings of quantize_row / quantize_row_fp8 (to nearest, ties to even), the same float32 operations.
+// roundings of quantize_row (to nearest, ties to even), the same float32 operations.
 #if defined(__AVX512F__)
 inline vf load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(
@@ -261,32 +261,26 @@ inline void widen_row(const uint16_t* x, int64_t k, float* out) {
   for (; i < k; ++i) out[i] = bf16_value(x[i]);
 }
 
-// compressed-tensors' dynamic per-token fp8 quantization of one row, in float32 as torch computes it (scale =
-// absmax / 448, or float32 epsilon for an all-zero row; x / scale clamped to +-448, rounded to e4m3): returns
-// the row's scale and writes the values of its codes as float32
-inline float quantize_row_fp8(const uint16_t* x, int64_t k, float* codes) {
-  float scale = row_absmax(x, k) / 448.f;
+// compressed-tensors' dynamic per-token quantization of one row, in float32 as torch computes it: scale = absmax /
+// 127.5 (int8) or / 448 (e4m3), float32 epsilon for an all-zero row; x / scale clamped to [-128, 127] and rounded
+// half to even (int8 codes), or clamped to +-448 and rounded to e4m3 (FP8: the codes' values as float32).
+// Returns the row's scale.
+template <bool FP8, typename Code>
+inline float quantize_row(const uint16_t* x, int64_t k, Code* codes) {
+  constexpr float range = FP8 ? 448.f : 127.5f, lo = FP8 ? -448.f : -128.f, hi = FP8 ? 448.f : 127.f;
+  float scale = row_absmax(x, k) / range;
   if (scale == 0.f) scale = FLT_EPSILON;
-  const vf s = vbroadcast_value(scale), lo = vbroadcast_value(-448.f), hi = vbroadcast_value(448.f);
+  const vf s = vbroadcast_value(scale), vlo = vbroadcast_value(lo), vhi = vbroadcast_value(hi);
   int64_t i = 0;
-  for (; i + kLanes <= k; i += kLanes) vstore(codes + i, vround_e4m3(vmin(vmax(vdiv(load_bf16(x + i), s), lo), hi)));
-  for (; i < k; ++i)
-    codes[i] = round_e4m3(std::min(std::max(bf16_value(x[i]) / scale, -448.f), 448.f));
-  return scale;
-}
-
-// compressed-tensors' dynamic per-token int8 quantization of one row, in float32 as torch computes it (scale =
-// absmax / 127.5, or float32 epsilon for an all-zero row; codes = round-half-even(clamp(x / scale, -128, 127))):
-// returns the row's scale and writes its codes
-inline float quantize_row(const uint16_t* x, int64_t k, int8_t* codes) {
-  float scale = row_absmax(x, k) / 127.5f;
-  if (scale == 0.f) scale = FLT_EPSILON;
-  const vf s = vbroadcast_value(scale), lo = vbroadcast_value(-128.f), hi = vbroadcast_value(127.f);
-  int64_t i = 0;
-  for (; i + kLanes <= k; i += kLanes) store_i8(codes + i, vround_even(vmin(vmax(vdiv(load_bf16(x + i), s), lo), hi)));
+  for (; i + kLanes <= k; i += kLanes) {
+    const vf v = vmin(vmax(vdiv(load_bf16(x + i), s), vlo), vhi);
+    if constexpr (FP8) vstore(codes + i, vround_e4m3(v));
+    else store_i8(codes + i, vround_even(v));
+  }
   for (; i < k; ++i) {
-    const float v = std::min(std::max(bf16_value(x[i]) / scale, -128.f), 127.f);
-    codes[i] = static_cast<int8_t>(std::nearbyint(v));
+    const float v = std::min(std::max(bf16_value(x[i]) / scale, lo), hi);
+    if constexpr (FP8) codes[i] = round_e4m3(v);
+    else codes[i] = static_cast<int8_t>(std::nearbyint(v));  // the default rounding mode: to nearest, ties to even
   }
   return scale;
 }
@@ -623,7 +617,7 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
 #if defined(__AVX512BF16__)
         thread_local std::vector<float> row;
         row.resize(k);
-        xscale[r] = quantize_row_fp8(xb + r * ldx, k, row.data());
+        xscale[r] = quantize_row<true>(xb + r * ldx, k, row.data());
         int64_t i = 0;
         for (; i + 16 <= k; i += 16) store_bf16_exact(xcodes.data() + r * k + i, vload(row.data() + i));
         for (; i < k; ++i) {
@@ -633,7 +627,7 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
         }
 #endif
       } else {
-        xscale[r] = quantize_row_fp8(xb + r * ldx, k, xf.data() + r * k);
+        xscale[r] = quantize_row<true>(xb + r * ldx, k, xf.data() + r * k);
       }
     } else if (!pairs) {
       widen_row(xb + r * ldx, k, xf.data() + r * k);
@@ -692,13 +686,13 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     int32_t* out = xw.data() + r * xwords;
     if (kVnni) {  // the codes + 128 as bytes, 4 consecutive k a word: the codes' bytes with the top bit flipped
       auto* bytes = reinterpret_cast<int8_t*>(out);
-      xscale[r] = quantize_row(xb + r * x.stride(0), k, bytes);
+      xscale[r] = quantize_row<false>(xb + r * x.stride(0), k, bytes);
       for (int64_t i = 0; i < k; ++i) bytes[i] = static_cast<int8_t>(static_cast<uint8_t>(bytes[i]) ^ 0x80u);
       return;
     }
     thread_local std::vector<int8_t> codes;
     codes.resize(k);
-    xscale[r] = quantize_row(xb + r * x.stride(0), k, codes.data());
+    xscale[r] = quantize_row<false>(xb + r * x.stride(0), k, codes.data());
     for (int64_t q = 0; q < quads; ++q) {  // int16 pairs (k, k+2) and (k+1, k+3), low half first
       const int8_t* c = codes.data() + 4 * q;
       out[2 * q] = static_cast<int32_t>(static_cast<uint16_t>(c[0]) | static_cast<uint32_t>(static_cast<uint16_t>(c[2])) << 16);
