@@ -12,7 +12,11 @@ For each of float32, bfloat16 and the quantized schemes (SCHEMES: the smollm2_13
   bfloat16 artifact: greedy agreement, and KL divergence and top-1 agreement over bfloat16's answers
   (the bfloat16 row against float32: the floor),
 - decode tokens/s at batch 1 and batch 16 with the engine (greedy, ignore_eos): the time of
-  ``N + 1`` generated tokens minus the time of 1, so prefill is not counted.
+  ``N + 1`` generated tokens minus the time of 1, so prefill is not counted; batch 1's share of the
+  scheme's own bandwidth floor (the bytes its step reads, bench/single.py's ``weight_bytes``, over the
+  read bandwidth probed just before);
+- prefill tokens/s of a fresh ``--prompt-tokens`` prompt (one output token, prefix caching off).
+Speeds only, interleaved rounds and llama.cpp beside them: ``infer-bench quant-speed``.
 
     python -m infer.bench.quant [--schemes fp8,gptq,...] [--calib-samples 128] [--calib-seq-len 512]
                                 [--eval-windows 16] [--chat-prompts 48] [--decode-tokens 32]
@@ -204,6 +208,25 @@ def decode_speed(path: Path, batch: int, tokens: int) -> float:
     return batch * tokens / decode
 
 
+def prefill_and_floor(path: Path, prompt_tokens: int) -> dict:
+    """Prefill tok/s of fresh prompts (median of 3), and the batch-1 floor: the bandwidth probed now over
+    the bytes a decode step of this artifact reads at the dtype the engine runs it in."""
+    from infer.runtime import LLM, SamplingParams
+
+    from .single import read_bandwidth, weight_bytes
+
+    llm = LLM(path, kv_cache_memory=256 << 20, enable_prefix_caching=False)
+    dtype = str(llm.engine.model.dtype).removeprefix("torch.")
+    rates = []
+    for i in range(4):  # the first a warm-up
+        prompt = [1] + [100 + (13 * i + 7 * j) % 20000 for j in range(prompt_tokens - 1)]
+        start = time.perf_counter()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        rates.append(prompt_tokens / (time.perf_counter() - start))
+    return {"prefill_tok_s": round(sorted(rates[1:])[1], 1), "dtype": dtype,
+            "floor_tok_s": round(read_bandwidth() / weight_bytes(path, dtype), 1)}
+
+
 def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = None) -> dict:
     """How much each linear layer of a float checkpoint suffers from FP8_DYNAMIC alone (how the
     smollm2_135m_fp8 recipe's quant.ignore was chosen): each layer in turn fake-quantized in transformers
@@ -276,6 +299,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--chat-prompts", type=int, default=48, help="chat prompts for the agreement with bfloat16")
     ap.add_argument("--chat-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="the prefill figure's prompt length")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for the builds and the speed runs")
     ap.add_argument("--json", type=Path, default=RESULTS / "quant.json")
     ap.add_argument("--keep", type=Path, default=None, help="keep the artifacts, the cache and build figures here")
@@ -358,9 +382,12 @@ def main(argv=None) -> dict:
             row["chat_vs"] = "float32" if name == "bfloat16" else "bfloat16"
             if name != "float32":
                 row.update(chat_metrics(out, keep / row["chat_vs"], args.chat_prompts, args.chat_tokens))
+            print(f"[{name}] prefill and floor ...", file=sys.stderr, flush=True)
+            row.update(prefill_and_floor(out, args.prompt_tokens))
             for b in (1, 16):
                 print(f"[{name}] decode batch {b} ...", file=sys.stderr, flush=True)
                 row[f"decode_tok_s_b{b}"] = round(decode_speed(out, b, args.decode_tokens), 1)
+            row["share_of_floor"] = round(row["decode_tok_s_b1"] / row["floor_tok_s"], 3)
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -375,6 +402,11 @@ def main(argv=None) -> dict:
         r["ppl_vs_fp32_pct"] = round(100 * (r["perplexity"] / base["perplexity"] - 1), 2)
         r["decode_b1_vs_fp32"] = round(r["decode_tok_s_b1"] / base["decode_tok_s_b1"], 2)
         r["decode_b16_vs_fp32"] = round(r["decode_tok_s_b16"] / base["decode_tok_s_b16"], 2)
+    bf16 = next((r for r in rows if r["scheme"] == "bfloat16"), None)
+    for r in rows:
+        if bf16 is not None:
+            r["decode_b1_vs_bf16"] = round(r["decode_tok_s_b1"] / bf16["decode_tok_s_b1"], 2)
+            r["prefill_vs_bf16"] = round(r["prefill_tok_s"] / bf16["prefill_tok_s"], 2)
     result = {"benchmark": "quant", "model": "embedded:smollm2-135m-instruct", "host": host_info(),
               **({"note": args.note} if args.note else {}),
               "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "note"},
@@ -386,16 +418,22 @@ def main(argv=None) -> dict:
 
 
 def table(rows: list[dict]) -> str:
+    """One row per scheme: build, size, quality, and speed (decode against float32 and bfloat16 and its own
+    floor, prefill against bfloat16)."""
     head = ("| scheme | calibration | quantize s | size MB | perplexity (vs fp32) | chat greedy agreement | chat KLD "
-            "| chat top-1 | decode tok/s b1 (vs fp32) | decode tok/s b16 (vs fp32) |\n|---|---|---|---|---|---|---|---|---|---|")
+            "| chat top-1 | decode tok/s b1 (vs fp32, vs bf16) | share of floor | decode tok/s b16 (vs fp32) "
+            "| prefill tok/s (vs bf16) |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         q = "-" if r.get("quantize_s") is None else f"{r['quantize_s']:.0f}"
         chat = [f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in ("greedy_agreement", "chat_mean_kld",
                                                                           "chat_top1_agreement")]
+        vs_bf16 = f", {r['decode_b1_vs_bf16']:.2f}x" if "decode_b1_vs_bf16" in r else ""
+        prefill_vs = f" ({r['prefill_vs_bf16']:.2f}x)" if "prefill_vs_bf16" in r else ""
         lines.append(f"| {r['label']} | {r.get('calibration') or '-'} | {q} | {r['artifact_mb']} | {r['perplexity']:.2f} "
                      f"({r['ppl_vs_fp32_pct']:+.1f}%) | {' | '.join(chat)} | {r['decode_tok_s_b1']:.1f} "
-                     f"({r['decode_b1_vs_fp32']:.2f}x) | {r['decode_tok_s_b16']:.1f} ({r['decode_b16_vs_fp32']:.2f}x) |")
+                     f"({r['decode_b1_vs_fp32']:.2f}x{vs_bf16}) | {r['share_of_floor']:.0%} | "
+                     f"{r['decode_tok_s_b16']:.1f} ({r['decode_b16_vs_fp32']:.2f}x) | {r['prefill_tok_s']:.0f}{prefill_vs} |")
     return "\n".join(lines)
 
 
