@@ -10,7 +10,9 @@ other's builds or rebuild over them.
 
 A build that failed to compile is remembered by its key, so not every process pays the minute
 again; a failure of the machine (a full disk, a permission) is not remembered, so the next process
-retries. Callers fall back to plain torch ops, and say so (the kernel resolver decides).
+retries. Callers fall back to plain torch ops, and say so (the kernel resolver decides). A process killed
+while compiling leaves torch's build lock (``lock`` in the build directory), on which every later load
+would wait forever: a lock older than any compile takes (STALE_LOCK_S) is removed, with a warning.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import platform
 import re
+import time
 from pathlib import Path
 
 from . import isa
@@ -28,6 +31,7 @@ from .isa import cpu_flags
 log = logging.getLogger("infer.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
 BASE_FLAGS = ["-O3"]  # and the class's target flags (isa.compile_flags)
+STALE_LOCK_S = 600  # a kernel compiles in about a minute (step_layers.cpp, the largest, ~2 on 2 cores)
 
 
 def cache_root() -> Path:
@@ -77,6 +81,15 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         log.warning("C++ kernel %s failed to build before (%s); using torch ops; delete that file to retry",
                     name, failed)
         return None
+    lock = directory / "lock"  # torch.utils.cpp_extension's FileBaton
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    if age > STALE_LOCK_S:
+        log.warning("removing %s: a build lock %.0f s old, left by a process killed while compiling %s", lock, age,
+                    name)
+        lock.unlink(missing_ok=True)
     fresh = not any(directory.glob("*.so"))
     if fresh:
         log.warning("compiling the C++ kernel %s (about a minute, once; `python -m infer.kernels build` does it "

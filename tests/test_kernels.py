@@ -190,6 +190,33 @@ def test_a_failed_build_is_remembered_only_when_the_source_is_at_fault(error, re
     assert bool(list(tmp_path.rglob("failed"))) == remembered
 
 
+@pytest.mark.parametrize("age_s, removed", [(3600, True), (30, False)])
+def test_a_build_lock_left_by_a_killed_compile_is_removed(age_s, removed, tmp_path, monkeypatch):
+    """torch's build baton waits while ``lock`` exists: one older than any compile would hang every load."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    from infer.kernels import extension
+
+    monkeypatch.setenv("INFER_KERNEL_CACHE", str(tmp_path))
+    directory = tmp_path / f"infer_paged_attention-{extension.build_key('paged_attention.cpp', [])}"
+    directory.mkdir()
+    lock = directory / "lock"
+    lock.touch()
+    os.utime(lock, (time.time() - age_s,) * 2)
+    seen = []
+
+    def load(**kwargs):  # what torch would find: a lock it waits on, or none
+        seen.append(lock.exists())
+        raise OSError("stop here")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", load)
+    assert extension.build("infer_paged_attention", "paged_attention.cpp", []) is None
+    assert seen == [not removed]
+
+
 def test_kernel_builds_are_keyed_by_source_flags_torch_and_cpu(monkeypatch):
     """Two environments (torch versions) or two CPUs never share a build directory."""
     import torch
