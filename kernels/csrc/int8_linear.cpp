@@ -36,6 +36,7 @@
 #include <torch/extension.h>
 
 #include "float_storage.h"
+#include "simd_math.h"
 #include "work_split.h"
 
 #include <algorithm>
@@ -81,12 +82,7 @@ inline Int8Inputs check_int8_inputs(const char* name, const torch::Tensor& x, co
 }
 
 // A bfloat16's bits as the float32 it is
-inline float bf16_value(uint16_t bits) {
-  const uint32_t b = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
+inline float bf16_value(uint16_t bits) { return infer::to_float(at::BFloat16(bits, at::BFloat16::from_bits())); }
 
 // A float32 rounded to the nearest fp8 e4m3 value (ties to even), |v| <= 448, returned as the float32 it
 // stands for. Normal values (|v| >= 2^-6) keep 3 fraction bits: add half a step (less one where the kept
@@ -214,11 +210,7 @@ inline vf vabs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
 inline vf vmin(vf a, vf b) { return _mm256_min_ps(a, b); }
 inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
-inline float hmax(vf v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
+inline float hmax(vf v) { return infer::reduce_max8(v); }
 inline vf vround_even(vf v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline void store_i8(int8_t* p, vf v) {
   const __m256i i = _mm256_cvtps_epi32(v);
@@ -310,14 +302,10 @@ INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, in
   if (col + kLanes <= n) {  // a whole vector: rounded to nearest even in registers (finite values), as from_float
     const vf v = vfma(sum, scale, bias != nullptr ? vload(bias + col) : vzero());
 #if defined(__AVX512F__)
-    __m512i b = _mm512_castps_si512(v);
-    b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
-                                           _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
+    const __m512i b = _mm512_srli_epi32(infer::bf16_round_bits(v), 16);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + col), _mm512_cvtepi32_epi16(b));
 #else
-    __m256i b = _mm256_castps_si256(v);
-    b = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
-                                           _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))), 16);
+    const __m256i b = _mm256_srli_epi32(infer::bf16_round_bits(v), 16);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(y + col),
                      _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 #endif
@@ -471,8 +459,8 @@ inline void store_bf16_exact(uint16_t* p, vf v) {
 constexpr bool kPairs = false;
 #endif
 
-template <bool FP8, int V>  // vectors a block row: width / kLanes
 // xh: the rows as bfloat16 pairs (ldh apart) where a prompt chunk runs on vdpbf16ps (kPairs), else nullptr
+template <bool FP8, int V>  // vectors a block row: width / kLanes
 inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, int64_t k, const int8_t* block,
                             const float* scale, const float* xscale, const float* bias, uint16_t* y, int64_t n0,
                             int64_t n, int64_t r, int64_t r1) {
@@ -496,7 +484,7 @@ inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, in
   constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // 2 x rows accumulators, of 32 or 16 registers
   if (r1 - r < kTileRows) {
     for (; r < r1; ++r)
-      tile16<FP8, 1, V>(xf + r * k, k, block, width, 0, scale, xscale ? xscale + r : nullptr, bias, y + r * n, n, n0, n);
+      tile16<FP8, 1, V>(xf + r * k, k, block, width, 0, scale, xs(r), bias, y + r * n, n, n0, n);
     return;
   }
   // Many rows (a prompt chunk): each slice of 2 vectors of columns widened to float32 once (K x 2 kLanes floats,
