@@ -199,24 +199,28 @@ class Int8BlocksLinear(QuantLinear):
 
         super().__init__(w, bias, dtype)
         self.module = int8_linear.load()
-        self.w8a8 = w.inputs is not None
-        if self.w8a8:
-            packed, scales, colsums = int8_linear.pack_w8a8(w.q, w.scale)
-        else:
-            (packed, scales), colsums = int8_linear.pack_w8a16(w.q, w.scale), None
+        packed, scales, colsums = self.pack(int8_linear, w)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("colsums", colsums, persistent=False)
+        self.register_buffer("colsums", colsums, persistent=False)  # W8A8's (the fused step's third slot)
         self.register_buffer("bias_f32", None if self.bias is None else self.bias.detach().float().contiguous(),
                              persistent=False)
 
+    @staticmethod
+    def pack(int8_linear, w: QuantWeight):
+        """(packed, scales, column sums or None) as the kernel reads them."""
+        if w.inputs is not None:
+            return int8_linear.pack_w8a8(w.q, w.scale)
+        return (*int8_linear.pack_w8a16(w.q, w.scale), None)
+
+    def run(self, x2: torch.Tensor) -> torch.Tensor:
+        if self.colsums is not None:
+            return self.module.w8a8_linear(x2, self.packed, self.scales, self.colsums, self.out_features, self.bias_f32)
+        return self.module.int8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
-        if self.w8a8:
-            y = self.module.w8a8_linear(x2, self.packed, self.scales, self.colsums, self.out_features, self.bias_f32)
-        else:
-            y = self.module.int8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
+        y = self.run(x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous())
         return y.to(x.dtype).view(*shape[:-1], self.out_features)
 
 
@@ -225,30 +229,19 @@ class W8A8BlocksLinear(Int8BlocksLinear):
     backend = "cpu-w8a8-blocks"
 
 
-class FP8BlocksLinear(QuantLinear):
+class FP8BlocksLinear(Int8BlocksLinear):
     """fp8 e4m3 per-channel weights with dynamic per-token e4m3 activations (FP8_DYNAMIC), packed once for
     kernels/csrc/int8_linear.cpp's ``fp8_linear`` (any class from AVX2): each weight byte decoded to float32 in
     registers, each row quantized inside the call as compressed-tensors does, float32 sums of exact products,
     then both scales. A decode step reads 8 bits a weight, where ``cpu-fp8`` reads the codes widened to 16."""
     backend = "cpu-fp8-blocks"
 
-    def __init__(self, w: QuantWeight, bias, dtype):
-        from infer.kernels import int8_linear
+    @staticmethod
+    def pack(int8_linear, w: QuantWeight):
+        return (*int8_linear.pack_fp8(w.q, w.scale), None)
 
-        super().__init__(w, bias, dtype)
-        self.module = int8_linear.load()
-        packed, scales = int8_linear.pack_fp8(w.q, w.scale)
-        self.register_buffer("packed", packed, persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.colsums = None  # (the fused step's slots: W8A8's column sums, none here)
-        self.register_buffer("bias_f32", None if self.bias is None else self.bias.detach().float().contiguous(),
-                             persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1]).to(torch.bfloat16).contiguous()
-        y = self.module.fp8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
-        return y.to(x.dtype).view(*shape[:-1], self.out_features)
+    def run(self, x2: torch.Tensor) -> torch.Tensor:
+        return self.module.fp8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
 
 
 def _fp8_blocks(w: QuantWeight, device: torch.device) -> bool:
