@@ -317,6 +317,50 @@ def gemm_bandwidth(T, shape, device, peak_gbps):
     return rows
 
 
+def int4pack_args(w, group):
+    """random_w4's compressed-tensors tensors -> kernels/int4pack.py's packing and matmul's arguments."""
+    from infer.kernels import int4pack
+    from infer.kernels.triton_ops import w4a16
+
+    packed, scale, zero, _ = w
+    n, k = packed.shape[0], packed.shape[1] * 8
+    q = w4a16.unpack_int4(packed, k)
+    z = None if zero is None else w4a16.unpack_int4(zero, n, dim=0)
+    return (*int4pack.pack(q, scale, z), group)
+
+
+def int4pack_gemm_check(T, shape, device, peak_gbps):
+    """torch's own int4 kernel (kernels/int4pack.py, tinygemm, what the runtime's cuda-int4pack backend
+    runs for decode rows) on the same projections: its error against the W4A16 reference (symmetric,
+    and asymmetric on o) and its graph-replayed time beside the triton kernel's and dense bf16's."""
+    import torch
+
+    from infer.kernels import int4pack
+
+    H, heads, kvh, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
+    rows = []
+    for name, n, k in (("qkv", heads * d + 2 * kvh * d, H), ("o", H, heads * d), ("gate_up", 2 * inter, H),
+                       ("down", H, inter)):
+        w_bytes = n * k // 2 + n * (k // shape["group"]) * 2
+        ws = [random_w4(n, k, shape["group"], device, asym=(name == "o"), seed=i) for i in range(copies_for(w_bytes))]
+        packs = [int4pack_args(w, shape["group"]) for w in ws]
+        denses = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
+        for m in (1, 4, 8, 16):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            err = rel_err(int4pack.matmul(x, *packs[0]), T.w4a16_gemm_reference(x, *ws[0]))
+            us = graph_ms([functools.partial(int4pack.matmul, x, *p) for p in packs]) * 1e3
+            triton_us = graph_ms([functools.partial(T.w4a16_gemm, x, *w) for w in ws]) * 1e3
+            dense_us = graph_ms([functools.partial(torch.matmul, x, dense.t()) for dense in denses]) * 1e3
+            gbps = (w_bytes + (m * k + m * n) * 2) / (us * 1e-6) / 1e9
+            rows.append({"shape": f"{name} {n}x{k}{' asym' if name == 'o' else ''}", "batch": m,
+                         "rel_err": round(err, 5), "ok": err <= 2e-2, "us": round(us, 1), "gbps": round(gbps),
+                         "share": round(gbps / peak_gbps, 3), "triton_us": round(triton_us, 1),
+                         "speedup_vs_triton": round(triton_us / us, 2), "dense_bf16_us": round(dense_us, 1),
+                         "speedup_vs_dense": round(dense_us / us, 2)})
+        del ws, packs, denses
+    return {"rows": rows, "ok": all(r["ok"] for r in rows)}
+
+
 # ---------------------------------------------------------------------------- 4. decode step
 
 class DecoderStack:
@@ -347,9 +391,18 @@ class DecoderStack:
         self.v_cache = [torch.randn_like(c) for c in self.k_cache]
         self.cos, self.sin = rope_tables(d, max_ctx + 1, device)
 
+    def use_int4pack(self):
+        """Every projection through torch's int4 kernel (kernels/int4pack.py) instead of triton's."""
+        from infer.kernels import int4pack
+
+        for attr in ("qkv", "o", "gate_up", "down"):
+            setattr(self, attr, [int4pack_args(w, self.s["group"]) for w in getattr(self, attr)])
+        self.gemm = int4pack.matmul
+
     def step(self, x):
         """DecodeInputs -> logits [rows, vocab] bf16. No host syncs: capturable."""
         T, s = self.T, self.s
+        gemm = getattr(self, "gemm", T.w4a16_gemm)
         heads, kvh, d = s["heads"], s["kv_heads"], s["head_dim"]
         h = self.embed.index_select(0, x.input_ids)
         residual = h
@@ -357,16 +410,16 @@ class DecoderStack:
         for i in range(self.layers):
             if i > 0:
                 T.fused_add_rms_norm_(hidden, residual, self.norms[2 * i], 1e-6)
-            qkv = T.w4a16_gemm(hidden, *self.qkv[i]) + self.qkv_bias[i]
+            qkv = gemm(hidden, *self.qkv[i]) + self.qkv_bias[i]
             T.rotary_(qkv, x.positions, self.cos, self.sin, heads + kvh, d, check=False)
             q, k, v = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
             T.store_kv_(self.k_cache[i], self.v_cache[i], x.slot_mapping, k.view(-1, kvh, d), v.view(-1, kvh, d),
                         check=False)
             attn = T.paged_decode_attention(q.view(-1, heads, d), self.k_cache[i], self.v_cache[i], x.block_tables,
                                             x.context_lens, d ** -0.5)
-            hidden = T.w4a16_gemm(attn.view(-1, heads * d), *self.o[i])
+            hidden = gemm(attn.view(-1, heads * d), *self.o[i])
             T.fused_add_rms_norm_(hidden, residual, self.norms[2 * i + 1], 1e-6)
-            hidden = T.w4a16_gemm(T.silu_and_mul(T.w4a16_gemm(hidden, *self.gate_up[i])), *self.down[i])
+            hidden = gemm(T.silu_and_mul(gemm(hidden, *self.gate_up[i])), *self.down[i])
         T.fused_add_rms_norm_(hidden, residual, self.norms[-1], 1e-6)
         return hidden @ self.lm_head.t()
 
@@ -388,14 +441,16 @@ def decode_batch(cg, stack, batch, ctx, device, seed=0):
 
 def step_bytes(stack, batch, ctx) -> int:
     """What one decode step must read from memory: every weight once, and each sequence's KV cache."""
+    import torch
+
     tensors = [stack.embed[0], stack.lm_head, *stack.norms, *stack.qkv_bias]
     for layer in (*stack.qkv, *stack.o, *stack.gate_up, *stack.down):
-        tensors += [t for t in layer if t is not None]
+        tensors += [t for t in layer if isinstance(t, torch.Tensor)]
     kv = 2 * stack.layers * batch * ctx * stack.s["kv_heads"] * stack.s["head_dim"] * 2
     return sum(t.numel() * t.element_size() for t in tensors) + kv
 
 
-def decode_step(T, cg, shape, layers, device, smoke, peak_gbps=None):
+def decode_step(T, cg, shape, layers, device, smoke, peak_gbps=None, int4pack=True):
     import torch
 
     batches, ctx = ((1, 3, 4, 16), 1024) if not smoke else ((1, 3), 12)
@@ -420,6 +475,16 @@ def decode_step(T, cg, shape, layers, device, smoke, peak_gbps=None):
                 row["share_of_floor"] = round(floor_ms / row["graph_ms"], 3)
         rows.append(row)
     rows.append({"graphs_captured": sorted(runner.graphs)})
+    if not smoke and int4pack:
+        stack.use_int4pack()
+        packed_runner = cg.GraphRunner(stack.step, stack.max_blocks, device, buckets=(1, 2, 4, 8, 16))
+        for row in rows[:-1]:
+            x = decode_batch(cg, stack, row["batch"], ctx, device, seed=row["batch"])
+            packed_runner(x)  # captures
+            row["graph_ms_int4pack"] = round(bench_ms(lambda: packed_runner(x)), 3)
+            if peak_gbps:
+                row["share_of_floor_int4pack"] = round(step_bytes(stack, row["batch"], ctx) / (peak_gbps * 1e9) * 1e3
+                                                       / row["graph_ms_int4pack"], 3)
     return rows
 
 
@@ -563,6 +628,8 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on the CPU under TRITON_INTERPRET=1; no timings (checks that it runs)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop starting sections after this many seconds")
+    ap.add_argument("--sections", default="all",
+                    help="comma-separated: correctness,engine,hbm,attention,gemm,int4pack,decode_step (default all)")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers in the decode-step section (default: all 28 of Qwen2.5-7B; 2 with --smoke)")
     args = ap.parse_args(argv)
@@ -589,18 +656,29 @@ def main(argv=None) -> int:
     report.sections["env"] = {"result": env}
     print(json.dumps(env), flush=True)
 
-    report.run("correctness", lambda: correctness(T, shape, device, args.smoke), need_s=60)
+    chosen = set(args.sections.split(",")) if args.sections != "all" else None
+
+    def unless_chosen(name, reason=None):
+        return reason if chosen is None or name in chosen else f"not in --sections {args.sections}"
+
+    report.run("correctness", lambda: correctness(T, shape, device, args.smoke), need_s=60,
+               skip=unless_chosen("correctness"))
     if args.smoke:
         print("[engine] --smoke: no CUDA here, so the CUDA engine and its graphs do not run; the same token "
               "comparison runs on the CPU (kernels=triton interpreted against torch)", flush=True)
-    report.run("engine", lambda: engine_check(device.type, args.smoke), need_s=90)
-    hbm = report.run("hbm_bandwidth", lambda: hbm_bandwidth(device), need_s=20, skip=no_timing)
+    report.run("engine", lambda: engine_check(device.type, args.smoke), need_s=90, skip=unless_chosen("engine"))
+    hbm = report.run("hbm_bandwidth", lambda: hbm_bandwidth(device), need_s=20, skip=unless_chosen("hbm", no_timing))
     peak = (hbm or {}).get("reference_gbps")
     no_peak = no_timing or (None if peak else "no HBM bandwidth measured to compare with")
     report.run("decode_attention_bandwidth", lambda: attention_bandwidth(T, shape, device, peak), need_s=60,
-               skip=no_peak)
-    report.run("w4a16_gemm_bandwidth", lambda: gemm_bandwidth(T, shape, device, peak), need_s=90, skip=no_peak)
-    report.run("decode_step", lambda: decode_step(T, cg, shape, layers, device, args.smoke, peak), need_s=60)
+               skip=unless_chosen("attention", no_peak))
+    report.run("w4a16_gemm_bandwidth", lambda: gemm_bandwidth(T, shape, device, peak), need_s=90,
+               skip=unless_chosen("gemm", no_peak))
+    report.run("int4pack_gemm", lambda: int4pack_gemm_check(T, shape, device, peak), need_s=40,
+               skip=unless_chosen("int4pack", no_peak))
+    report.run("decode_step", lambda: decode_step(T, cg, shape, layers, device, args.smoke, peak,
+                                                  int4pack=chosen is None or "int4pack" in chosen),
+               need_s=60, skip=unless_chosen("decode_step"))
     report.sections["total_seconds"] = {"result": {"seconds": round(time.perf_counter() - report.start, 1)}}
 
     out_dir = Path(os.environ.get("OUT") or os.environ.get("INFER_BENCH_RESULTS")
@@ -614,6 +692,8 @@ def main(argv=None) -> int:
     failed += [f"decode_step batch {r['batch']}" for r in report.sections.get("decode_step", {}).get("result") or []
                if not r.get("ok", True)]
     failed += ["engine"] if not (report.sections.get("engine", {}).get("result") or {"ok": True})["ok"] else []
+    failed += ["int4pack_gemm"] if not (report.sections.get("int4pack_gemm", {}).get("result") or {"ok": True})["ok"] \
+        else []
     errors = [k for k, v in report.sections.items() if "error" in v]
     if failed or errors:
         print(f"FAILED: {failed + errors}")

@@ -103,3 +103,42 @@ def test_int4_linears_on_cuda_run_the_triton_w4a16_gemm(group, asym, act_order):
     got = on_cuda(x)
     assert got.shape == (3, 32) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max(), (got.double() - want).abs().max()
+
+
+@pytest.mark.parametrize("group,asym,act_order", [(32, False, False), (64, True, True)],
+                         ids=["g32-sym", "g64-asym-actorder"])
+def test_int4_linears_of_bfloat16_models_on_cuda_run_torch_int4_for_decode_rows(group, asym, act_order, monkeypatch):
+    """cuda-int4pack for a bfloat16 model's int4 layer on cuda (torch's int4 kernel takes bfloat16 only:
+    a float32 model keeps triton-w4a16); packed for it when moved to the GPU (here, by hand, for torch's
+    CPU variant); up to INT4PACK_MAX_ROWS rows through it, more through the triton GEMM; both match a
+    float64 dequantization of the same weight."""
+    from infer.kernels import int4pack
+    from infer.runtime.model import quant_linear
+    from infer.runtime.model.quant_linear import INT4PACK_MAX_ROWS, make_linear
+
+    w = _int4_weight(32, 128, group, asym, act_order)
+    layer = make_linear(w, None, torch.bfloat16, device="cuda")
+    assert layer.backend == "cuda-int4pack"
+    assert make_linear(w, None, torch.float32, device="cuda").backend == "triton-w4a16"
+    assert layer.int4pack_weight is None  # packed where it runs, on the move to cuda
+    layer.pack_for_int4pack()
+    assert (layer.int4pack_perm is not None) == act_order
+    calls = []
+    real = int4pack.matmul
+    monkeypatch.setattr(int4pack, "matmul", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    col = w.g_idx.long() if act_order else torch.arange(128) // group
+    q = w.q.double() - (w.zero.double()[:, col] if asym else 0)
+    dense = q * w.scale.double()[:, col]
+    for rows in (1, INT4PACK_MAX_ROWS, INT4PACK_MAX_ROWS + 1):  # inputs from conftest's printed seed
+        x = torch.randn(rows, 128).to(torch.bfloat16)
+        want = x.double() @ dense.t()
+        got = layer(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 32)
+        assert (got.double() - want).abs().max() <= 2e-2 * want.abs().max(), rows
+    assert calls == [1, INT4PACK_MAX_ROWS]  # the 9-row call ran the triton GEMM
+    uneven = _int4_weight(32, 128, group, asym, False)
+    uneven.g_idx = torch.zeros(128, dtype=torch.int32)  # one group of 128 columns: no contiguous order of `group`
+    assert make_linear(uneven, None, torch.bfloat16, device="cuda").backend == "triton-w4a16"
+    odd = _int4_weight(20, 128, group, False, False)  # N not a multiple of tinygemm's 8-row tile
+    assert quant_linear._cuda_int4pack(odd, torch.device("cuda")) is False
+    assert make_linear(odd, None, torch.bfloat16, device="cuda").backend == "triton-w4a16"
