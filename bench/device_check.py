@@ -550,6 +550,61 @@ def generate(engine, prompts, max_tokens):
     return [tokens[f"r{i}"] for i in range(len(prompts))], times
 
 
+def w4a16_artifact(src: Path, root: Path, group: int = 32) -> Path:
+    """``src`` (tiny_artifact) with every decoder linear as compressed-tensors W4A16 (pack-quantized,
+    symmetric, round to nearest in groups of ``group``), served in bfloat16: the int4 path on each device."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from infer.kernels.triton_ops import pack_int4
+    from infer.runtime.artifact import write_manifest
+
+    root.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, t in load_file(str(src / "model.safetensors")).items():
+        if name.endswith("_proj.weight"):
+            n, k = t.shape
+            groups = t.float().view(n, k // group, group)
+            scale = groups.abs().amax(-1) / 7
+            q = (groups / scale.unsqueeze(-1)).round().clamp(-8, 7).to(torch.int8).view(n, k)
+            base = name.removesuffix(".weight")
+            tensors.update({base + ".weight_packed": pack_int4(q), base + ".weight_scale": scale.to(torch.bfloat16),
+                            base + ".weight_shape": torch.tensor([n, k])})
+        else:
+            tensors[name] = t.to(torch.bfloat16)
+    save_file(tensors, str(root / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config.update(torch_dtype="bfloat16", quantization_config={
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": True}}}})
+    (root / "config.json").write_text(json.dumps(config, indent=1))
+    (root / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    write_manifest(root, {"name": "device-check-tiny-w4a16", "version": "0"})
+    return root
+
+
+def int4_engine_check(art: Path, device_type: str, prompts, new_tokens: int) -> dict:
+    """A bfloat16 W4A16 model served on ``device_type`` with the triton kernels (cuda: the cuda-int4pack
+    linears, graphs on) against the CPU's own int4 linears and torch ops: the share of greedy tokens that
+    agree (both bfloat16, different kernels: a near tie may flip one) and the backends each side ran."""
+    from infer.runtime import LLMEngine
+    from infer.runtime.model.quant_linear import quantized_modules
+
+    common = dict(dtype="bfloat16", kv_cache_memory=64 << 20, max_num_seqs=16)
+    ref_engine = LLMEngine(art, device="cpu", kernels="torch", **common)
+    engine = LLMEngine(art, device=device_type, kernels="triton", **common)
+    ref, _ = generate(ref_engine, prompts, new_tokens)
+    got, _ = generate(engine, prompts, new_tokens)
+    same = sum(a == b for x, y in zip(got, ref) for a, b in zip(x, y))
+    total = sum(len(x) for x in ref)
+    return {"backends": sorted(set(quantized_modules(engine.model).values())),
+            "cpu_backends": sorted(set(quantized_modules(ref_engine.model).values())),
+            "tokens_agreeing": f"{same}/{total}", "first_difference": [
+                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(got, ref)],
+            "ok": same >= 0.9 * total}
+
+
 def engine_check(device_type: str, smoke: bool):
     """The engine's tokens on ``device_type`` with the triton kernels against the CPU with torch ops;
     on CUDA with graphs on and off, and the decode step times of both."""
@@ -598,8 +653,11 @@ def engine_check(device_type: str, smoke: bool):
                 out[name]["decode_step"] = rows
             out["graph_speedup"] = [round(e["step_ms_median"] / g_["step_ms_median"], 2)
                                     for e, g_ in zip(out["eager"]["decode_step"], out["graphs"]["decode_step"])]
+        out["w4a16_bfloat16"] = int4_engine_check(w4a16_artifact(art, Path(tmp) / "art-w4a16"), device_type,
+                                                  prompts, 16)
     out["ok"] = all(all(out[n]["tokens_equal_cpu_torch"]) for n in runs) and \
-        (device_type != "cuda" or out["graphs"]["decode_steps_replayed"] > 0)
+        (device_type != "cuda" or out["graphs"]["decode_steps_replayed"] > 0) and out["w4a16_bfloat16"]["ok"] and \
+        (device_type != "cuda" or out["w4a16_bfloat16"]["backends"] == ["cuda-int4pack"])
     return out
 
 
