@@ -178,7 +178,8 @@ async def fairness_phase(url: str, flood: int, rng_seed: int, args, keys: tuple[
 
 def run_fairness(args, work: Path) -> dict:
     tenants = work / "tenants.yaml"
-    tenants.write_text(f"prompt_tokens_per_step: {args.prompt_budget}\ntenants:\n  a: {{key: sk-a}}\n  b: {{key: sk-b}}\n")
+    tenants.write_text(f"prompt_tokens_per_step: {args.prompt_budget}\ndecode_slowdown_max: {args.decode_slowdown}\n"
+                       f"tenants:\n  a: {{key: sk-a}}\n  b: {{key: sk-b}}\n")
     results = {}
     for mode in args.modes.split(","):
         log = work / f"fair-{mode}.log"
@@ -226,6 +227,7 @@ def main(argv=None) -> None:
     p.add_argument("--probe-rate", type=float, default=1.0)
     p.add_argument("--modes", default="fair,fcfs", help="fairness: fair (--tenants), fcfs (no tenants file)")
     p.add_argument("--prompt-budget", type=int, default=256, help="prompt_tokens_per_step in the tenants file")
+    p.add_argument("--decode-slowdown", type=float, default=0, help="decode_slowdown_max in the tenants file (0: off)")
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "infer-bench-replicas.json")

@@ -114,6 +114,49 @@ def test_prompt_budget_cuts_long_prompts_so_decodes_run_every_step():
     assert steps < 40
 
 
+def test_decode_slowdown_max_cuts_prompt_chunks_to_the_measured_step_costs():
+    """With decode_slowdown_max, while a sequence decodes a step's prompt tokens are what fits
+    (slowdown - 1) x a decode-only step at the measured cost a prompt token adds; with nothing decoding,
+    or before both costs are known, prompt_tokens_per_step alone; prompts always advance."""
+    from infer.runtime.engine.scheduler import MIN_PROMPT_CHUNK, StepCost
+
+    sched = Scheduler(BlockManager(4096, 8), max_num_seqs=8, max_num_batched_tokens=1024,
+                      fairness=Fairness(prompt_tokens_per_step=256, decode_slowdown_max=2.0))
+    decoder = seq("short", 4, max_tokens=30, tenant="b")
+    sched.add(decoder)
+    run_step(sched)
+    sched.add(seq("long", 900, tenant="a"))
+    batch = run_step(sched)  # costs not yet known: the plain budget
+    assert max(batch.num_tokens) == 256, batch.num_tokens
+    sched.observe(0.010, 0, 1)  # a decode-only step: 10 ms
+    sched.observe(0.010 + 64 * 0.0005, 64, 1)  # 64 prompt tokens beside a decode added 32 ms: 0.5 ms a token
+    assert sched.step_cost.prompt_tokens_within(2.0) == 20  # 10 ms of slack / 0.5 ms
+    batch = run_step(sched)
+    assert sorted(batch.num_tokens) == [1, 20], batch.num_tokens
+    sched.observe(0.010, 0, 1)
+    sched.step_cost.prompt_token_s = 0.01  # a slow host: 10 ms a token, the budget floors at the minimum
+    assert sorted(run_step(sched).num_tokens) == [1, MIN_PROMPT_CHUNK]
+    while not decoder.is_finished:  # once b is done, a's prompt takes the plain budget again
+        run_step(sched)
+    assert max(run_step(sched).num_tokens) == 256
+    # the other way round: the less-served tenant's own prompt is not cut while the flood's tenant decodes
+    sched2 = Scheduler(BlockManager(4096, 8), max_num_seqs=8, max_num_batched_tokens=1024,
+                       fairness=Fairness(prompt_tokens_per_step=256, decode_slowdown_max=2.0))
+    sched2.step_cost = sched.step_cost  # the costs learned above: 20 prompt tokens fit beside a decode
+    flood = seq("flood", 300, max_tokens=50, tenant="a")
+    sched2.add(flood)
+    while flood.num_computed_tokens < flood.num_prompt_tokens:
+        run_step(sched2)
+    probe = seq("probe", 90, tenant="b")
+    sched2.add(probe)
+    assert sorted(run_step(sched2).num_tokens) == [1, 90]  # b's whole prompt beside a's decode
+    cost = StepCost()
+    cost.observe(0.05, 100, 0)  # prompt-only step: all of it counted as the tokens' (an overestimate)
+    assert cost.prompt_tokens_within(2.0) is None and cost.prompt_token_s == pytest.approx(0.0005)
+    with pytest.raises(ValueError, match="decode_slowdown_max"):
+        Fairness(decode_slowdown_max=0.5)
+
+
 def test_max_running_caps_a_tenant():
     sched = Scheduler(BlockManager(4096, 8), max_num_seqs=16, max_num_batched_tokens=1024,
                       fairness=Fairness(max_running={"a": 2}, prompt_tokens_per_step=0))
@@ -144,6 +187,8 @@ def test_token_bucket_refills_at_its_rate():
     ({"tenants": {"a": {"key": "k"}, "b": {"key": "k"}}}, "its own key"),
     ({"tenants": {"a": {"key": "k", "wieght": 2}}}, "unknown setting 'wieght'"),
     ({"tenants": {"a": {"key": "k"}}, "prompt_tokens_per_step": -1}, "prompt_tokens_per_step"),
+    ({"tenants": {"a": {"key": "k"}}, "decode_slowdown_max": 1}, "decode_slowdown_max must be a number > 1"),
+    ({"tenants": {"a": {"key": "k"}}, "decode_slowdown_max": "2x"}, "decode_slowdown_max must be a number > 1"),
     ({"tenants": {"a": {"key_env": "INFER_TEST_UNSET_KEY"}}}, "INFER_TEST_UNSET_KEY"),
 ])
 def test_bad_tenants_file_is_refused_naming_the_problem(doc, words, monkeypatch):

@@ -382,6 +382,7 @@ class LLMEngine:
             except Exception as e:
                 outputs.append(self._fail(seq, f"verifying this request's draft failed: {_describe(e)}"))
         t_end = time.perf_counter()
+        self.scheduler.observe(t_end - t_start, prefill_tokens, decode_rows)
         self.step_records.append(StepRecord(
             step=self.stats["steps"], t=wall, schedule_ms=(t_model - t_start) * 1e3,
             model_ms=(t_sample - t_model) * 1e3, sample_ms=(self._sampled_at - t_sample) * 1e3,

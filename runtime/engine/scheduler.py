@@ -23,7 +23,12 @@ with the most served, so tokens served while the others were idle are no debt. A
 ``max_running`` caps its running sequences. The preemption victim is the worst priority, newest first. Fair share only works when a
 step cannot be filled by one tenant's long prompt: ``prompt_tokens_per_step`` caps the prompt
 tokens a step computes (running chunks included), so one tenant's 1,024-token prompts are cut into
-chunks and another's decodes and short prompts run beside them every step. Fair share decides who
+chunks and another's decodes and short prompts run beside them every step. ``decode_slowdown_max``
+bounds what that costs the decodes: while a tenant served less than a prompt's tenant is decoding, that
+prompt's chunks are cut to what keeps the step within that many times a decode-only step, by the costs
+the engine measured (``StepCost``, learned from the steps it ran), so another tenant's flood of long
+prompts raises a decoding user's time per output token at most that much, while the user's own prompts
+are not cut. Fair share decides who
 starts: a running prompt of a tenant served at least as much as a waiting request's tenant yields
 the step's prompt budget to it. Once started, the running prompt with the fewest tokens left gets
 the budget first (shortest remaining first), so a short prompt let in during another tenant's flood
@@ -50,14 +55,49 @@ class ScheduledBatch:
         return sum(self.num_tokens)
 
 
+MIN_PROMPT_CHUNK = 4  # prompt tokens a step still computes under decode_slowdown_max: prompts always advance
+
+
+@dataclass
+class StepCost:
+    """What a step costs, learned from the steps the engine ran (moving averages): a decode-only step's
+    seconds, and the seconds each prompt token adds to a step (its whole wall time: model, sampling,
+    output). The first prompt steps, with no decode beside them, count their fixed cost as the
+    tokens': an overestimate, so the budget they give starts small."""
+    decode_s: float | None = None
+    prompt_token_s: float | None = None
+    alpha: float = 0.2
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def observe(self, seconds: float, prompt_tokens: int, decode_rows: int) -> None:
+        if not prompt_tokens:
+            if decode_rows:
+                self.decode_s = self._avg(self.decode_s, seconds)
+            return
+        rest = seconds - ((self.decode_s or 0.0) if decode_rows else 0.0)
+        self.prompt_token_s = self._avg(self.prompt_token_s, max(0.0, rest) / prompt_tokens)
+
+    def prompt_tokens_within(self, slowdown: float) -> int | None:
+        """Prompt tokens a step with decodes may add and take at most ``slowdown`` x a decode-only step
+        (None until both costs are known)."""
+        if self.decode_s is None or not self.prompt_token_s:
+            return None
+        return max(MIN_PROMPT_CHUNK, int((slowdown - 1.0) * self.decode_s / self.prompt_token_s))
+
+
 @dataclass
 class Fairness:
     """Tenancy inside the scheduler: tenants' weights and running caps, and the per-step prompt budget."""
     weights: dict[str, float] = field(default_factory=dict)  # tenant -> weight (absent: 1)
     max_running: dict[str, int] = field(default_factory=dict)  # tenant -> most running sequences (absent: no cap)
     prompt_tokens_per_step: int = 256  # 0: no cap beyond the token budget
+    decode_slowdown_max: float = 0.0  # > 1: while sequences decode, steps stay within this x a decode step; 0: off
 
     def __post_init__(self):
+        if self.decode_slowdown_max and not self.decode_slowdown_max > 1:
+            raise ValueError(f"decode_slowdown_max must be > 1 (or 0: off), got {self.decode_slowdown_max}")
         for name, w in self.weights.items():
             if not w > 0:
                 raise ValueError(f"tenant {name!r}: weight must be > 0, got {w}")
@@ -88,6 +128,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.fairness = fairness or Fairness(prompt_tokens_per_step=0)
         self.served: dict[str, float] = {}  # tenant -> tokens computed for it / its weight
+        self.step_cost = StepCost()  # what the engine's steps took (observe), for decode_slowdown_max
 
     def add(self, seq: Sequence) -> None:
         t = seq.tenant
@@ -98,6 +139,25 @@ class Scheduler:
             served = [self.served.get(a, 0.0) for a in active] or [max(self.served.values(), default=0.0)]
             self.served[t] = max(self.served.get(t, 0.0), min(served))
         self.waiting.append(seq)
+
+    def observe(self, seconds: float, prompt_tokens: int, decode_rows: int) -> None:
+        """A step the engine ran: its wall time, prompt tokens and decode rows (StepCost)."""
+        self.step_cost.observe(seconds, prompt_tokens, decode_rows)
+
+    def _prompt_cap(self, seq: Sequence) -> int:
+        """The step's prompt-token cap (0: none) for a chunk of ``seq``: ``prompt_tokens_per_step``, cut by
+        ``decode_slowdown_max`` while another tenant served less than ``seq``'s is decoding (the decodes
+        of the tenant kept waiting are protected from the one served more; its own prompts are not cut)."""
+        cap = self.fairness.prompt_tokens_per_step
+        if not self.fairness.decode_slowdown_max:
+            return cap
+        mine = self.served.get(seq.tenant, 0.0)
+        if any(s.tenant != seq.tenant and s.num_computed_tokens >= s.num_prompt_tokens
+               and self.served.get(s.tenant, 0.0) < mine for s in self.running):
+            within = self.step_cost.prompt_tokens_within(self.fairness.decode_slowdown_max)
+            if within is not None:
+                cap = min(cap, within) if cap else within
+        return cap
 
     def _charge(self, seq: Sequence, n: int) -> None:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n / self.fairness.weights.get(seq.tenant, 1.0)
@@ -118,7 +178,7 @@ class Scheduler:
         seq = self.waiting[at]
         if not seq.block_table and self.bm.match_prefix(seq) is None:
             return None  # it waits for a prefix being computed (perhaps by the prompt that would yield)
-        if not self.bm.can_allocate(seq, min(seq.num_uncomputed_tokens, self.fairness.prompt_tokens_per_step)):
+        if not self.bm.can_allocate(seq, min(seq.num_uncomputed_tokens, self._prompt_cap(seq))):
             return None  # no room for it now: yielding would only stall the running prompt
         return seq.priority, self.served.get(seq.tenant, 0.0), seq.tenant
 
@@ -183,7 +243,7 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_uncomputed_tokens, budget)
             if cap and n > 1 and not seq.spec.draft and seq.num_computed_tokens < seq.num_prompt_tokens:
-                n = min(n, cap - prompt_tokens)  # a prompt chunk within the step's prompt budget
+                n = min(n, self._prompt_cap(seq) - prompt_tokens)  # a prompt chunk within the step's prompt budget
                 if (yield_to is not None and seq.tenant != yield_to[2]
                         and (seq.priority, self.served.get(seq.tenant, 0.0)) >= yield_to[:2]):
                     n = 0
@@ -233,8 +293,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill and seqs:
                     break  # without chunking a prompt waits for a step with room for all of it
                 n = budget if self.enable_chunked_prefill else n
-            if cap and self.enable_chunked_prefill and n > cap - prompt_tokens:
-                n = cap - prompt_tokens
+            if cap and self.enable_chunked_prefill and n > self._prompt_cap(seq) - prompt_tokens:
+                n = self._prompt_cap(seq) - prompt_tokens
+                if n <= 0:
+                    break  # this step is as heavy as the decodes it protects allow
             if not self.bm.can_allocate(seq, n):
                 if not self.running and not seqs:
                     # nothing will ever free blocks for it: fail loudly rather than hang

@@ -3,6 +3,8 @@
 ``infer-run ART --tenants tenants.yaml``::
 
     prompt_tokens_per_step: 256   # prompt tokens one engine step computes at most (default 256)
+    decode_slowdown_max: 2        # while any request decodes, steps take at most 2x a decode-only step
+                                  # (prompt tokens cut to fit, by measured step costs; default 0: off)
     tenants:
       alice:
         key: sk-alice              # or key_env: ALICE_KEY (read from the environment)
@@ -29,7 +31,7 @@ from pathlib import Path
 from ..engine.scheduler import Fairness
 
 _TENANT_KEYS = {"key", "key_env", "weight", "rate", "burst", "max_running"}
-_TOP_KEYS = {"tenants", "prompt_tokens_per_step"}
+_TOP_KEYS = {"tenants", "prompt_tokens_per_step", "decode_slowdown_max"}
 
 
 class TokenBucket:
@@ -67,15 +69,16 @@ class Tenant:
 
 
 class Tenants:
-    def __init__(self, tenants: list[Tenant], prompt_tokens_per_step: int = 256):
+    def __init__(self, tenants: list[Tenant], prompt_tokens_per_step: int = 256, decode_slowdown_max: float = 0.0):
         self.tenants = tenants
         self.prompt_tokens_per_step = prompt_tokens_per_step
+        self.decode_slowdown_max = decode_slowdown_max
         self.by_key = {t.key: t for t in tenants}
 
     def fairness(self) -> Fairness:
         return Fairness({t.name: t.weight for t in self.tenants},
                         {t.name: t.max_running for t in self.tenants if t.max_running},
-                        self.prompt_tokens_per_step)
+                        self.prompt_tokens_per_step, self.decode_slowdown_max)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Tenants:
@@ -103,6 +106,10 @@ class Tenants:
         budget = doc.get("prompt_tokens_per_step", 256)
         if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
             raise ValueError(f"{where}: prompt_tokens_per_step must be an integer >= 0 (0: no cap), got {budget!r}")
+        slowdown = doc.get("decode_slowdown_max", 0)
+        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not (slowdown == 0 or slowdown > 1):
+            raise ValueError(f"{where}: decode_slowdown_max must be a number > 1 (e.g. 2: decoding requests' steps "
+                             f"at most 2x a decode-only step) or 0 (off), got {slowdown!r}")
         tenants, keys = [], set()
         for name, spec in doc["tenants"].items():
             at = f"{where}: tenant {name!r}"
@@ -133,4 +140,4 @@ class Tenants:
                     raise ValueError(f"{at}: {field} must be {what} {'> 0' if lo == 0 else f'>= {lo}'}, got {v!r}")
                 values[field] = v
             tenants.append(Tenant(str(name), key, **values))
-        return cls(tenants, budget)
+        return cls(tenants, budget, float(slowdown))
