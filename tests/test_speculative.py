@@ -205,3 +205,32 @@ def test_the_adaptive_k_starts_at_one_token_and_grows_as_drafts_hold(embedded_ar
     assert lengths and lengths[0] == 1 and max(lengths) > 1, lengths
     plain = LLM(embedded_artifact, kv_cache_memory=64 << 20)
     assert plain.generate([prompt], params)[0].token_ids == out.token_ids
+
+
+def test_no_drafting_while_requests_wait(embedded_artifact):
+    """A loaded engine does not draft: 8 requests with max_num_seqs=2, so 2 run and the rest wait; no
+    step drafts while more than max_batch (4) requests are running or waiting, and drafting starts once
+    the load is down to that (as it is without a line at batch 4 and below)."""
+    from infer.runtime import LLM, SamplingParams
+
+    llm = LLM(embedded_artifact, speculative="ngram", kv_cache_memory=64 << 20, max_num_seqs=2)
+    engine = llm.engine
+    prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Repeat: one two three one two three"}])
+    drafted_while_waiting, drafted = [], []
+    propose = engine.proposer.draft
+
+    def recording(seq, room):
+        draft = propose(seq, room)
+        if draft:
+            drafted.append(len(draft))
+            if len(engine.scheduler.running) + len(engine.scheduler.waiting) > engine.proposer.config.max_batch:
+                drafted_while_waiting.append(len(draft))
+        return draft
+
+    engine.proposer.draft = recording
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    for i in range(8):
+        engine.add_request(f"r{i}", llm.tokenizer.encode(prompt), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert drafted and not drafted_while_waiting

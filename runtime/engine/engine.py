@@ -436,8 +436,8 @@ class LLMEngine:
         """Appends an n-gram draft to each running sequence about to decode, where the rule allows
         (runtime/engine/speculative.py): verified in this step's forward pass."""
         running = self.scheduler.running
-        if len(running) > self.proposer.config.max_batch:
-            return
+        if len(running) + len(self.scheduler.waiting) > self.proposer.config.max_batch:
+            return  # a loaded engine: requests waiting are work that verify rows would only delay
         for seq in running:
             if seq.num_uncomputed_tokens != 1 or not eligible(seq):
                 continue
