@@ -90,6 +90,17 @@ class Report:
         return result
 
 
+def projections(shape) -> list[tuple[str, int, int]]:
+    """A layer's projections (name, N, K): fused qkv, o, fused gate_up, down."""
+    H, heads, kvh, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
+    return [("qkv", heads * d + 2 * kvh * d, H), ("o", H, heads * d), ("gate_up", 2 * inter, H), ("down", H, inter)]
+
+
+def w4_bytes(n: int, k: int, group: int) -> int:
+    """Bytes of an [n, k] W4A16 weight: the nibbles and a bfloat16 scale per group."""
+    return n * k // 2 + n * (k // group) * 2
+
+
 def rel_err(got, want) -> float:
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
@@ -146,8 +157,7 @@ def correctness(T, shape, device, smoke):
         got = T.paged_decode_attention(q, k, v, tables, lens, d ** -0.5, splits=splits)
         out[f"decode_attention splits={splits or 'auto'}"] = rel_err(got, ref)
 
-    shapes = [("qkv", heads * d + 2 * kvh * d, H), ("down", H, inter)]
-    for name, n, kk in shapes:
+    for name, n, kk in [p for p in projections(shape) if p[0] in ("qkv", "down")]:
         for asym, act in ((False, False), (True, False), (False, True)):
             w = random_w4(n, kk, shape["group"], device, asym, act, seed=2)
             for rows in (1, 4, 12):  # the CUDA-core kernel (one program's rows, all of them), the dot kernel
@@ -297,11 +307,9 @@ def gemm_bandwidth(T, shape, device, peak_gbps):
     kernel launched as the engine calls it without graphs (bench_ms: the host's cost on top)."""
     import torch
 
-    H, heads, kvh, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
     rows = []
-    for name, n, k in (("qkv", heads * d + 2 * kvh * d, H), ("o", H, heads * d), ("gate_up", 2 * inter, H),
-                       ("down", H, inter)):
-        w_bytes = n * k // 2 + n * (k // shape["group"]) * 2
+    for name, n, k in projections(shape):
+        w_bytes = w4_bytes(n, k, shape["group"])
         ws = [random_w4(n, k, shape["group"], device, seed=i) for i in range(copies_for(w_bytes))]
         denses = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]
         for m in (1, 2, 4, 8, 16):
@@ -337,11 +345,9 @@ def int4pack_gemm_check(T, shape, device, peak_gbps):
 
     from infer.kernels import int4pack
 
-    H, heads, kvh, d, inter = shape["hidden"], shape["heads"], shape["kv_heads"], shape["head_dim"], shape["inter"]
     rows = []
-    for name, n, k in (("qkv", heads * d + 2 * kvh * d, H), ("o", H, heads * d), ("gate_up", 2 * inter, H),
-                       ("down", H, inter)):
-        w_bytes = n * k // 2 + n * (k // shape["group"]) * 2
+    for name, n, k in projections(shape):
+        w_bytes = w4_bytes(n, k, shape["group"])
         ws = [random_w4(n, k, shape["group"], device, asym=(name == "o"), seed=i) for i in range(copies_for(w_bytes))]
         packs = [int4pack_args(w, shape["group"]) for w in ws]
         denses = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies_for(n * k * 2))]

@@ -293,10 +293,11 @@ class Scheduler:
                 if not self.enable_chunked_prefill and seqs:
                     break  # without chunking a prompt waits for a step with room for all of it
                 n = budget if self.enable_chunked_prefill else n
-            if cap and self.enable_chunked_prefill and n > self._prompt_cap(seq) - prompt_tokens:
-                n = self._prompt_cap(seq) - prompt_tokens
-                if n <= 0:
+            room = self._prompt_cap(seq) - prompt_tokens if cap and self.enable_chunked_prefill else n
+            if n > room:
+                if room <= 0:
                     break  # this step is as heavy as the decodes it protects allow
+                n = room
             if not self.bm.can_allocate(seq, n):
                 if not self.running and not seqs:
                     # nothing will ever free blocks for it: fail loudly rather than hang

@@ -46,6 +46,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from infer.kernels import int4pack
+
 from .compressed_tensors import Args, QuantWeight
 
 INT4_COMPUTE_DTYPE = torch.bfloat16  # see Int4PackLinear
@@ -124,8 +126,6 @@ class Int4PackLinear(QuantLinear):
 
     def __init__(self, w: QuantWeight, bias, dtype, compute_dtype: torch.dtype | None = None):
         super().__init__(w, bias, dtype)
-        from infer.kernels import int4pack
-
         self.compute_dtype = compute_dtype or INT4_COMPUTE_DTYPE
         q = w.q
         perm = None
@@ -139,8 +139,6 @@ class Int4PackLinear(QuantLinear):
         self.register_buffer("scales_zeros", scales_zeros, persistent=False)
 
     def matmul(self, x):
-        from infer.kernels import int4pack
-
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
         return int4pack.matmul(x, self.packed, self.scales_zeros, self.group_size).to(x.dtype)
@@ -392,7 +390,6 @@ class CudaInt4Linear(TritonW4A16Linear):
 
     def pack_for_int4pack(self) -> None:
         """Unpacks the triton words where they are and packs them for tinygemm there."""
-        from infer.kernels import int4pack
         from infer.kernels.triton_ops import w4a16
 
         q = w4a16.unpack_int4(self.weight_packed, self.in_features)
@@ -412,8 +409,6 @@ class CudaInt4Linear(TritonW4A16Linear):
     def matmul(self, x):
         if self.int4pack_weight is None or x.shape[0] > INT4PACK_MAX_ROWS:
             return super().matmul(x)
-        from infer.kernels import int4pack
-
         if self.int4pack_perm is not None:
             x = x.index_select(-1, self.int4pack_perm)
         return int4pack.matmul(x, self.int4pack_weight, self.int4pack_scales_zeros, self.group_size).to(x.dtype)
@@ -475,8 +470,6 @@ def _triton_w4a16(w: QuantWeight, device: torch.device) -> bool:
 
 
 def _cuda_int4pack(w: QuantWeight, device: torch.device) -> bool:
-    from infer.kernels import int4pack
-
     return (_triton_w4a16(w, device) and int4pack.supported(w.out_features, w.in_features, w.group_size) and
             (w.g_idx is None or int4pack.group_order(w.g_idx, w.group_size) is not None))
 
@@ -498,7 +491,7 @@ BACKENDS: list = [
     _Backend("cpu-int4-blocks", Int4BlocksLinear, _int4_blocks),
     _Backend("cpu-int4", Int4PackLinear, lambda w, d: _cpu(d) and _INT4 and w.inputs is None and
              w.weights.type == "int" and w.weights.num_bits == 4 and w.scale.shape[1] > 1 and
-             w.group_size in (32, 64, 128, 256) and w.in_features % w.group_size == 0 and
+             w.group_size in int4pack.GROUP_SIZES and w.in_features % w.group_size == 0 and
              w.out_features % 16 == 0),  # the packing kernel's tile
     # the int8 kernels take bfloat16 activations: a float32 model keeps torch's float32 paths below
     _Backend("cpu-int8-blocks", Int8BlocksLinear, lambda w, d: _int8_blocks(w, d, False), (torch.bfloat16,)),
