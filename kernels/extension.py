@@ -96,8 +96,10 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
                     "ahead of time)", name)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        # the key as a define: the module records which build it is
-        return load_extension(name=name, sources=[str(CSRC / source)], build_directory=str(directory),
+        # the key in the module's name and as a define: the module records which build it is, and torch's
+        # loader, which renames (and so recompiles) a name it already loaded with other flags in this
+        # process, sees each build under a name of its own (a test loading two classes compiles neither)
+        return load_extension(name=f"{name}_{key}", sources=[str(CSRC / source)], build_directory=str(directory),
                               extra_cflags=[*flags(), f"-DINFER_SOURCE_DIGEST={key}", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly

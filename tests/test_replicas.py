@@ -172,3 +172,85 @@ def test_fields_a_router_adds_at_their_defaults_are_accepted():
     assert parse_completion({"prompt": [5], "no_stop_trim": False, "return_hidden_states": False}, info).prompts == [[5]]
     with pytest.raises(APIError, match="no_stop_trim"):
         parse_completion({"prompt": [5], "no_stop_trim": True}, info)
+
+
+def _node(artifact, port: int, log_path) -> subprocess.Popen:
+    """One infer-run as a machine of its own would run it (docs/replicas.md, multi-node, step 1)."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen([sys.executable, "-m", "infer.runtime.cli", str(artifact), "--host", "127.0.0.1",
+                                 "--port", str(port), "--kernels", "torch", "--kv-cache-memory", "16M",
+                                 "--max-model-len", "512"], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _prefix_hits(node_url: str) -> float:
+    text = httpx.get(f"{node_url}/metrics", timeout=5).text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("infer:prefix_cache_hits"))
+
+
+def test_two_nodes_behind_a_router_only_front(tiny_artifact, tmp_path):
+    """docs/replicas.md's multi-node deployment on loopback: two infer-run "nodes" started on their own, the
+    front machine's infer-replicas with no replica of its own (--replicas 0) and both as --worker. Prefixes
+    stick to the node that holds them (its prefix cache hits), a node SIGKILLed is routed around with no
+    failed request, and the same node started again by its service manager gets traffic again."""
+    ports = [free_port() for _ in range(3)]
+    nodes_urls = [f"http://127.0.0.1:{p}" for p in ports[:2]]
+    url = f"http://127.0.0.1:{ports[2]}"
+    nodes = [_node(tiny_artifact, p, tmp_path / f"node{i}.log") for i, p in enumerate(ports[:2])]
+    exe = os.path.join(os.path.dirname(sys.executable), "infer-replicas")
+    log = open(tmp_path / "front.log", "wb")
+    front = subprocess.Popen([exe, "--replicas", "0", "--port", str(ports[2]), "--log-dir", str(tmp_path / "logs"),
+                              *(a for u in nodes_urls for a in ("--worker", u))], stdout=log, stderr=subprocess.STDOUT)
+
+    def sent() -> dict:
+        return {b["url"]: b["sent"] for b in _status(url)["replicas"]}
+
+    def ask(tenant: int, question: str) -> set[str]:
+        """One request of a tenant (its ~130-token system prompt, then a question); the nodes it was sent to (two
+        when the first failed it and the router retried it on the other)."""
+        before = sent()
+        prompt = f"tenant {tenant} rules: " + "answer briefly and politely. " * 20 + question
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] is not None, r.text
+        return {u for u, n in sent().items() if n > before[u]}
+
+    try:
+        _wait(lambda: [b["url"] for b in _status(url)["replicas"] if b["healthy"]] == nodes_urls, 120)
+        first = {t: ask(t, "What is a list?") for t in range(4)}
+        assert all(len(n) == 1 for n in first.values()) and set.union(*first.values()) == set(nodes_urls), first
+        # (new prefixes spread over both nodes)
+        hits = {u: _prefix_hits(u) for u in nodes_urls}
+        for t in range(4):  # each tenant's next request goes to the node holding its prefix, and hits there
+            assert ask(t, "And a tuple?") == first[t]
+        assert all(_prefix_hits(u) > hits[u] for u in nodes_urls), (hits, {u: _prefix_hits(u) for u in nodes_urls})
+
+        nodes[1].kill()  # a node is lost: its tenants' requests are retried on the other, none fails
+        nodes[1].wait()
+        after = [ask(t, "And a set?") for t in range(4)]
+        assert all(nodes_urls[0] in n for n in after), after  # (a first attempt on the dead node, if any, retried)
+        _wait(lambda: not _status(url)["replicas"][1]["healthy"], 10)  # marked down (a failed attempt, a health check)
+        assert ask(0, "And a set?") == ask(1, "And a set?") == {nodes_urls[0]}  # not tried again while down
+
+        nodes[1] = _node(tiny_artifact, ports[1], tmp_path / "node1.log")  # its service manager restarts it
+        back = _wait(lambda: _status(url)["replicas"][1]["healthy"], 120)
+        print(f"node 1 back in the router {back:.1f}s after it was started again")
+        assert set.union(*(ask(t, "And a dict?") for t in range(4, 8))) == set(nodes_urls)  # new tenants reach it
+    finally:
+        front.send_signal(signal.SIGTERM)
+        for p in (front, *nodes):
+            if p is not front:
+                p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        log.close()
+        print((tmp_path / "front.log").read_text()[-3000:])
+
+
+def test_a_router_only_front_needs_workers():
+    from infer.runtime.serving.replicas import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--replicas", "0"])
+    args, _ = parse_args(["--replicas", "0", "--worker", "http://node2:8001"])
+    assert args.artifact is None and args.worker == ["http://node2:8001"]

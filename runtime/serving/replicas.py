@@ -6,8 +6,9 @@ What this adds to the router: starting the replicas with the machine's cores spl
 at once, started again, back once ``/health`` says ready), and the rolling upgrade: on SIGHUP each
 replica in turn stops getting new requests, finishes what it has (drained at the router, then
 infer-run's SIGTERM), starts again on what ARTIFACT points at now, and is put back. Replicas on other
-machines join with ``--worker URL`` (docs/replicas.md, multi-node). Arguments it does not know go
-to every infer-run.
+machines join with ``--worker URL`` (docs/replicas.md, multi-node); with ``--replicas 0`` this
+machine runs the router alone, in front of its workers. Arguments it does not know go to every
+infer-run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def _die_with_parent() -> None:
 
 def split_cores(cores: list[int], n: int) -> list[list[int]]:
     """``n`` disjoint, nearly equal slices of ``cores``; with fewer cores than replicas they share."""
+    if n == 0:
+        return []
     if n <= len(cores):
         k, extra = divmod(len(cores), n)
         out, at = [], 0
@@ -128,9 +131,10 @@ class Deployment:
             if not wait_healthy(r.url, self.args.start_timeout, r.proc, self.stopping):
                 raise RuntimeError(f"replica {r.index} did not become ready; see {r.log_path}")
             self.router.backend(r.url).healthy = True
-        print(f"infer-replicas: {len(self.replicas)} replica(s) of {self.args.artifact} ready behind "
-              f"{self.args.policy} routing on http://{self.args.host}:{self.args.port}/v1 (logs in {self.log_dir})",
-              flush=True)
+        what = f"{len(self.replicas)} replica(s) of {self.args.artifact}" if self.replicas else "no local replica"
+        workers = f" and {len(self.args.worker)} worker(s), up once their /health says ok" if self.args.worker else ""
+        print(f"infer-replicas: {what}{workers} ready behind {self.args.policy} routing on "
+              f"http://{self.args.host}:{self.args.port}/v1 (logs in {self.log_dir})", flush=True)
 
     def _revive(self, r: Replica) -> None:
         """Out of the router, started again; the router's health check puts it back once it is ready.
@@ -145,6 +149,10 @@ class Deployment:
 
     def upgrade(self) -> None:
         """Replica by replica: out of the router, drained, started on what ARTIFACT points at now, back in."""
+        if not self.replicas:
+            print("infer-replicas: no local replica to upgrade (upgrade the workers with their service manager)",
+                  flush=True)
+            return
         target = os.path.realpath(self.args.artifact)
         print(f"infer-replicas: rolling upgrade to {target}", flush=True)
         for r in self.replicas:
@@ -190,9 +198,10 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(
         prog="infer-replicas", description="N infer-run replicas of an artifact behind a prefix-aware router. "
         "Arguments it does not know go to every infer-run (e.g. --dtype bfloat16 --tenants tenants.yaml).")
-    p.add_argument("artifact", help="artifact directory, or a symlink to one: SIGHUP rolls the replicas onto "
-                                    "what it points at then")
-    p.add_argument("--replicas", type=int, default=2, help="infer-run processes on this machine (default 2)")
+    p.add_argument("artifact", nargs="?", help="artifact directory, or a symlink to one: SIGHUP rolls the replicas "
+                                               "onto what it points at then (not needed with --replicas 0)")
+    p.add_argument("--replicas", type=int, default=2,
+                   help="infer-run processes on this machine (default 2; 0: the router alone, in front of --worker)")
     p.add_argument("--host", default="127.0.0.1", help="the router's address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000,
                    help="the router's port; replica i listens on PORT+1+i on loopback (default 8000)")
@@ -209,9 +218,13 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a replica may take to load")
     p.add_argument("--log-dir", default="infer-replicas-logs", help="where replica and router logs go")
     args, run_args = p.parse_known_args(argv)
-    if args.replicas < 1:
-        p.error("--replicas must be at least 1")
-    if not Path(args.artifact).is_dir():
+    if args.replicas < 0:
+        p.error("--replicas must be at least 0")
+    if args.replicas == 0 and not args.worker:
+        p.error("--replicas 0 runs the router alone: give it replicas on other machines with --worker URL")
+    if args.replicas > 0 and args.artifact is None:
+        p.error("the artifact is required with local replicas (or --replicas 0 with --worker URL)")
+    if args.artifact is not None and not Path(args.artifact).is_dir():
         p.error(f"{args.artifact} is not an artifact directory")
     if "--port" in run_args or "--host" in run_args:
         p.error("--port and --host are the router's; replicas listen on PORT+1+i")
