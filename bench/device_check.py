@@ -507,7 +507,7 @@ def tiny_artifact(root: Path, m: dict, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from infer.runtime.artifact import write_manifest
+    from infer.runtime.artifact import CONFIG, TOKENIZER, write_manifest
 
     root.mkdir(parents=True, exist_ok=True)
     h, d = m["hidden"], m["hidden"] // m["heads"]
@@ -530,10 +530,10 @@ def tiny_artifact(root: Path, m: dict, seed: int = 0) -> Path:
               "num_attention_heads": m["heads"], "num_key_value_heads": m["kv_heads"], "rms_norm_eps": 1e-6,
               "rope_theta": 10000.0, "max_position_embeddings": m["max_positions"], "tie_word_embeddings": True,
               "torch_dtype": "float32", "bos_token_id": 0, "eos_token_id": 1}
-    (root / "config.json").write_text(json.dumps(config, indent=1))
+    (root / CONFIG).write_text(json.dumps(config, indent=1))
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(m["vocab"])}, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(root / "tokenizer.json"))
+    tok.save(str(root / TOKENIZER))
     write_manifest(root, {"name": "device-check-tiny", "version": "0"})
     return root
 
@@ -563,7 +563,7 @@ def w4a16_artifact(src: Path, root: Path, group: int = 32) -> Path:
     from safetensors.torch import load_file, save_file
 
     from infer.kernels.triton_ops import pack_int4
-    from infer.runtime.artifact import write_manifest
+    from infer.runtime.artifact import CONFIG, TOKENIZER, write_manifest
 
     root.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -579,13 +579,13 @@ def w4a16_artifact(src: Path, root: Path, group: int = 32) -> Path:
         else:
             tensors[name] = t.to(torch.bfloat16)
     save_file(tensors, str(root / "model.safetensors"))
-    config = json.loads((src / "config.json").read_text())
+    config = json.loads((src / CONFIG).read_text())
     config.update(torch_dtype="bfloat16", quantization_config={
         "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": True}}}})
-    (root / "config.json").write_text(json.dumps(config, indent=1))
-    (root / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    (root / CONFIG).write_text(json.dumps(config, indent=1))
+    (root / TOKENIZER).write_bytes((src / TOKENIZER).read_bytes())
     write_manifest(root, {"name": "device-check-tiny-w4a16", "version": "0"})
     return root
 

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from infer.runtime.artifact import CONFIG
+
 from .single import read_bandwidth, weight_bytes
 from .throughput import RESULTS, make_requests, save_json
 
@@ -95,7 +97,7 @@ def main(argv=None) -> dict:
     paths = {}
     for item in args.artifact:
         name, _, path = item.partition("=")
-        if not path or not Path(path, "config.json").is_file():
+        if not path or not Path(path, CONFIG).is_file():
             raise SystemExit(f"--artifact {item!r}: give NAME=DIR, DIR an artifact (with config.json)")
         paths[name] = Path(path)
     engines, info = {}, {}

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import httpx
 
+from infer.runtime.artifact import TOKENIZER
+
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact water room mother area money story month lot right "
          "study book job word business issue side kind head house service friend father power hour game line "
@@ -84,7 +86,7 @@ def load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
     p = Path(path)
-    file = p / "tokenizer.json" if p.is_dir() else p
+    file = p / TOKENIZER if p.is_dir() else p
     if not file.is_file():
         raise SystemExit(f"infer-bench: error: --tokenizer {path}: no tokenizer.json there")
     return Tokenizer.from_file(str(file))

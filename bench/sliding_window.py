@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from infer.runtime.artifact import TOKENIZER
+
 from .throughput import RESULTS, host_info, save_json
 
 SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -35,7 +37,7 @@ def _source(path: Path, window: int | None, context: int) -> Path:
     transformers.MistralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(SHAPE["vocab_size"])}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.save(str(path / "tokenizer.json"))
+    tok.save(str(path / TOKENIZER))
     return path
 
 

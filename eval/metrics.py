@@ -30,6 +30,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from infer.runtime.artifact import CONFIG
+
 from .runner import open_llm
 from .settings import EvalError, EvalSettings
 
@@ -325,7 +327,7 @@ def greedy_agreement(variant: Sequence[Sequence[int]], baseline: Sequence[Sequen
 
 def artifact_summary(path: Path, manifest: dict) -> dict:
     files = manifest.get("files", {})
-    weights = {k: v["sha256"] for k, v in files.items() if k.endswith(".safetensors") or k == "config.json"}
+    weights = {k: v["sha256"] for k, v in files.items() if k.endswith(".safetensors") or k == CONFIG}
     return {"path": str(path), "name": manifest.get("name"), "version": manifest.get("version"),
             "model": manifest.get("model"), "quantization": manifest.get("quantization"),
             "recipe_quant": (manifest.get("recipe") or {}).get("quant"), "weights": weights}

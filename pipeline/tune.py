@@ -16,8 +16,8 @@ import json
 import logging
 from pathlib import Path
 
-from infer.runtime.artifact import MANIFEST, sha256_file, write_manifest
-from infer.runtime.tuning import FILE, Tuning, TuningError, hardware, write
+from infer.runtime.artifact import MANIFEST, TUNING, sha256_file, write_manifest
+from infer.runtime.tuning import Tuning, TuningError, hardware, write
 from infer.runtime.tuning_measure import measure
 
 from .config import BuildConfig
@@ -58,7 +58,7 @@ def tune_stage(cfg: BuildConfig, cache: Path, packaged: StageResult) -> StageRes
                           "buckets": sorted(set(cfg.tune.batch_buckets))}
         measured = run_stage(cache, "tune-measure", measure_inputs,
                              lambda out: _measure(packaged.path, out, cfg.tune.batch_buckets))
-        given, source = measured.path / FILE, "measured"
+        given, source = measured.path / TUNING, "measured"
     inputs = {"v": TUNE_VERSION, "package": packaged.key, "table_sha256": sha256_file(given), "source": source}
     key = content_key("tune", inputs)
     return run_stage(cache, "tune", inputs, lambda out: _tuned(packaged.path, out, given, source, key))
@@ -66,7 +66,7 @@ def tune_stage(cfg: BuildConfig, cache: Path, packaged: StageResult) -> StageRes
 
 def _measure(packaged: Path, out: Path, buckets: list[int]) -> dict:
     table = measure(packaged, buckets)
-    write(table, out / FILE)
+    write(table, out / TUNING)
     log.info("tune: measured in %.1fs on %s", table["seconds"], table["hardware"]["cpu"])
     graphs = table.get("gpu", {}).get("cuda_graphs")  # only where a CUDA GPU is present (runtime/tuning_measure.gpu_check)
     if graphs is not None:
@@ -79,7 +79,7 @@ def _measure(packaged: Path, out: Path, buckets: list[int]) -> dict:
 def _tuned(packaged: Path, out: Path, given: Path, source: str, key: str) -> dict:
     link_tree(packaged, out)
     table = json.loads(given.read_text())
-    write(table, out / FILE)
+    write(table, out / TUNING)
     changed = Tuning(table).changed()
     for line in changed:
         log.info("tune: %s", line)
@@ -87,7 +87,7 @@ def _tuned(packaged: Path, out: Path, given: Path, source: str, key: str) -> dic
     for k in ("files", "format", "format_version"):
         manifest.pop(k, None)
     manifest["stages"] = {**manifest.get("stages", {}), "tune": key}
-    manifest["tuning"] = {"file": FILE, "source": source,
+    manifest["tuning"] = {"file": TUNING, "source": source,
                           "hardware": table["hardware"], "changed": changed}
     sealed = write_manifest(out, manifest)
     return {"files": len(sealed["files"]), "changed": changed}

@@ -32,6 +32,8 @@ LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION = "tensor_parallel.json", "infer-tens
 # What the tokenizer is made of (runtime/engine/tokenizer.py reads them).
 TOKENIZER_CONFIG, GENERATION_CONFIG = "tokenizer_config.json", "generation_config.json"
 TOKENIZER_FILES = (TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE)
+# The tune stage's table of kernel choices per batch bucket (runtime/tuning.py reads and writes it).
+TUNING = "tuning.json"
 # Every file an artifact carries by name, the ones the package stage takes from a checkpoint beside its
 # weights. The runtime opens each by name when it exists, so each one present must be a file the
 # manifest lists: nothing unverified is ever read.

@@ -7,7 +7,7 @@ import sys
 
 from infer.kernels.resolver import BACKENDS, DEVICES
 
-from .artifact import ArtifactError, verify_artifact
+from .artifact import MANIFEST, ArtifactError, verify_artifact
 
 
 def _at_least(minimum: int, maximum: int | None = None):
@@ -184,7 +184,7 @@ def launched_worker(path: str) -> bool:
     if env is None or env[0] == 0:
         return False
     try:
-        tp = (json.loads((Path(path) / "manifest.json").read_text()).get("parallel") or {}).get("tp", 1)
+        tp = (json.loads((Path(path) / MANIFEST).read_text()).get("parallel") or {}).get("tp", 1)
     except (OSError, ValueError, AttributeError):
         tp = None
     if tp == 1:

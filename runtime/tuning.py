@@ -24,7 +24,6 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger("infer.tuning")
-FILE = "tuning.json"
 FORMAT, VERSION = "infer-tuning", 1
 
 

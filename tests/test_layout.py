@@ -79,3 +79,22 @@ def test_no_import_circles_between_modules(folder):
     circles = sorted({tuple(sorted((a, b))) for a in graph for b in graph[a] if b not in package_inits
                       and a in reach(b)})
     assert not circles, circles
+
+
+def test_each_artifact_file_name_is_written_once():
+    """The names of the files an artifact carries are declared in runtime/artifact.py and used by name
+    everywhere else (pipeline, eval, runtime, kernels, bench): a second literal would drift from the
+    manifest's list."""
+    from infer.runtime import artifact
+
+    names = {v for k, v in vars(artifact).items() if k.isupper() and isinstance(v, str) and "." in v}
+    assert {"manifest.json", "config.json", "tokenizer.json", "tensor_parallel.json", "tuning.json"} <= names
+    found = []
+    for folder in ("pipeline", "eval", "runtime", "kernels", "bench"):
+        for path in (REPO / folder).rglob("*.py"):
+            if path == REPO / "runtime" / "artifact.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and node.value in names:
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
+    assert not found, "use runtime/artifact.py's constant instead of the literal:\n" + "\n".join(found)

@@ -161,14 +161,15 @@ def _describe(e: Exception) -> str:
 def load_tuning(artifact: Artifact, setting: str):
     """The tuning table the engine follows: the artifact's own (``auto``, when listed in its manifest),
     a given file, or none (``off``); a table measured on other hardware is ignored with a warning."""
-    from ..tuning import FILE, Tuning
+    from ..artifact import TUNING
+    from ..tuning import Tuning
 
     if setting == "off":
         return None
     if setting == "auto":
-        if FILE not in artifact.manifest.get("files", {}):
+        if TUNING not in artifact.manifest.get("files", {}):
             return None
-        path = artifact.path / FILE
+        path = artifact.path / TUNING
     else:
         path = Path(setting).expanduser()
     table = Tuning.load(path)

@@ -14,7 +14,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from ..artifact import CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG
+from ..artifact import CHAT_TEMPLATE, CONFIG, GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG
 
 
 def _raise(message: str):
@@ -42,7 +42,7 @@ class Tokenizer:
         if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
             ids.append(self._tok.token_to_id(self.eos_token))
         self.eos_token_ids: tuple[int, ...] = tuple(sorted(set(ids)))
-        template_file = path / "chat_template.jinja"  # where transformers 5 saves it
+        template_file = path / CHAT_TEMPLATE  # where transformers 5 saves it
         self.chat_template: str | None = (template_file.read_text() if template_file.is_file()
                                           else cfg.get("chat_template"))
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])

@@ -16,7 +16,7 @@ ranks sum the two row-parallel projections of each block with one all-reduce eac
 
 from __future__ import annotations
 
-from ..artifact import Artifact, ArtifactError
+from ..artifact import MANIFEST, Artifact, ArtifactError
 
 
 def tensor_parallel_size(artifact: Artifact) -> int:
@@ -26,7 +26,7 @@ def tensor_parallel_size(artifact: Artifact) -> int:
         return 1
     tp = parallel.get("tp") if isinstance(parallel, dict) else None
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ArtifactError(f"{artifact.path / 'manifest.json'}: parallel.tp is {tp!r}, not a positive integer; "
+        raise ArtifactError(f"{artifact.path / MANIFEST}: parallel.tp is {tp!r}, not a positive integer; "
                             f"rebuild the artifact with infer-build")
     return tp
 

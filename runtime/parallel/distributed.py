@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from ..artifact import (CONFIG, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, MANIFEST, Artifact, ArtifactError, inside,
-                        sha256_file)
+from ..artifact import (CONFIG, LAYOUT_FILE, LAYOUT_FORMAT, LAYOUT_VERSION, MANIFEST, TUNING, Artifact, ArtifactError,
+                        inside, sha256_file)
 from ..engine.model_runner import StepInputs
 
 PREFIX = "infer-tp"
@@ -180,8 +180,8 @@ def verify_rank(path: str | Path, rank: int, digest: str, tuning: str = "auto") 
     manifest = json.loads(manifest_path.read_text())
     artifact = Artifact(root, manifest, {})
     files = [CONFIG, rank_file(artifact, rank).relative_to(root).as_posix()]
-    if tuning == "auto" and "tuning.json" in manifest.get("files", {}):
-        files.append("tuning.json")
+    if tuning == "auto" and TUNING in manifest.get("files", {}):
+        files.append(TUNING)
     for rel in files:
         file = inside(root, rel, "manifest entry")
         expected = manifest["files"].get(rel) or {}
