@@ -54,18 +54,33 @@ def flags() -> list[str]:
     return [*BASE_FLAGS, *isa.compile_flags()]
 
 
+def source_files(source: str) -> list[Path]:
+    """What a build compiles: the source, the sources it includes, and every header."""
+    included = sorted(set(re.findall(r'#include "([\w.]+\.cpp)"', (CSRC / source).read_text())))
+    return [CSRC / source, *(CSRC / c for c in included), *sorted(CSRC.glob("*.h"))]
+
+
 def build_key(source: str, cflags: list[str]) -> str:
     """The identity of a build: source (and sources it includes) and headers, flags, torch version, CPU
     instruction set."""
     import torch
 
-    text = (CSRC / source).read_text()
-    included = sorted(set(re.findall(r'#include "([\w.]+\.cpp)"', text)))  # sources built into this one
-    inputs = [text.encode(), *((CSRC / c).read_bytes() for c in included),
-              *(h.read_bytes() for h in sorted(CSRC.glob("*.h"))),
+    inputs = [*(f.read_bytes() for f in source_files(source)),
               " ".join(flags() + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
               platform.python_version().encode()]
     return hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
+
+
+def _copy_sources(source: str, into: Path) -> Path:
+    """The build's own copy of its sources (written where it differs): ninja's build file names the source's
+    path, so compiling from the checkout would rebuild a cached kernel whenever another checkout (a git
+    worktree, a second clone) with the same sources loaded it."""
+    into.mkdir(parents=True, exist_ok=True)
+    for f in source_files(source):
+        copy, data = into / f.name, f.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return into / source
 
 
 def build(name: str, source: str, cflags: list[str]) -> object | None:
@@ -99,7 +114,8 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         # the key in the module's name and as a define: the module records which build it is, and torch's
         # loader, which renames (and so recompiles) a name it already loaded with other flags in this
         # process, sees each build under a name of its own (a test loading two classes compiles neither)
-        return load_extension(name=f"{name}_{key}", sources=[str(CSRC / source)], build_directory=str(directory),
+        return load_extension(name=f"{name}_{key}", sources=[str(_copy_sources(source, directory / "src"))],
+                              build_directory=str(directory),
                               extra_cflags=[*flags(), f"-DINFER_SOURCE_DIGEST={key}", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly

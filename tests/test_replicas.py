@@ -110,6 +110,19 @@ async def _load(url: str, n: int, tokens: int, during=None) -> list[dict]:
         return await asyncio.gather(*tasks)
 
 
+def _stop(procs: list[subprocess.Popen], log, log_path) -> None:
+    """SIGTERM (they drain), SIGKILL past 40 s; then the first one's log, for a failure's report."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(40)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    log.close()
+    print(log_path.read_text()[-3000:])
+
+
 def test_sigkill_under_load_then_rolling_upgrade(tiny_artifact, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -155,13 +168,7 @@ def test_sigkill_under_load_then_rolling_upgrade(tiny_artifact, tmp_path):
         after = _status(url)["replicas"]
         assert all(b["healthy"] for b in after) and all(b["sent"] > before[b["url"]]["sent"] for b in after)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-        print((tmp_path / "replicas.log").read_text()[-3000:])
+        _stop([proc], log, tmp_path / "replicas.log")
 
 
 def test_fields_a_router_adds_at_their_defaults_are_accepted():
@@ -235,16 +242,7 @@ def test_two_nodes_behind_a_router_only_front(tiny_artifact, tmp_path):
         print(f"node 1 back in the router {back:.1f}s after it was started again")
         assert set.union(*(ask(t, "And a dict?") for t in range(4, 8))) == set(nodes_urls)  # new tenants reach it
     finally:
-        front.send_signal(signal.SIGTERM)
-        for p in (front, *nodes):
-            if p is not front:
-                p.terminate()
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        log.close()
-        print((tmp_path / "front.log").read_text()[-3000:])
+        _stop([front, *nodes], log, tmp_path / "front.log")
 
 
 def test_a_router_only_front_needs_workers():

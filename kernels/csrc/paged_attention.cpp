@@ -22,9 +22,13 @@
 // (symmetric: absmax / 127, rounded to bfloat16 first and the values quantized against the rounded
 // scale, so value x scale is the dequantized value exactly). store_kv_ quantizes as it stores; the decode
 // tasks read the int8 values in registers and apply a key's scale to its score and a value's scale to its
-// probability: one multiply a token, never a dequantized copy of the cache. On AVX2, q8i_task sums in
-// integers (int16 queries and probabilities against the int8 rows by vpmaddwd), the path that makes the
-// int8 cache faster than the bfloat16 one; AVX-512 builds take q8_task (the values widened to float32).
+// probability: one multiply a token, never a dequantized copy of the cache. q8i_task sums in integers
+// (int16 queries and probabilities against the int8 rows by vpmaddwd, on 256-bit vectors in every class):
+// the path that makes the int8 cache faster than the bfloat16 one. Widening the values to float32 instead
+// (the task AVX-512 builds took before) cost what the bfloat16 cache's loops do, so it gained nothing from
+// reading half the bytes: on a Zen 5 at 2k context, 1.05x / 1.23x the bfloat16 cache's kernel (batch 1 /
+// 16) and a decode step at batch 16 0.91x, against 3.2x / 2.9x and 1.79x with q8i_task (0.89x / 0.95x /
+// 0.85x against 1.93x / 2.02x / 1.40x with the class forced to avx512).
 //
 // Blocks lie anywhere in the pool, so the hardware prefetcher loses the stream at every block's start:
 // the register tasks prefetch rows of a block or more ahead as they read (prefetch_row).
@@ -206,9 +210,6 @@ constexpr int kVec = 16;
 inline vecf vload(const float* p) { return _mm512_loadu_ps(p); }
 template <typename T>
 inline vecf vload_row(const T* p) { return load16(p); }
-inline vecf vload_row(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
 inline vecf vzero() { return _mm512_setzero_ps(); }
 inline vecf vset1(float x) { return _mm512_set1_ps(x); }
 inline vecf vmul(vecf a, vecf b) { return _mm512_mul_ps(a, b); }
@@ -225,9 +226,6 @@ inline vecf vload_row(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 inline vecf vload_row(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline vecf vload_row(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
 inline vecf vzero() { return _mm256_setzero_ps(); }
 inline vecf vset1(float x) { return _mm256_set1_ps(x); }
 inline vecf vmul(vecf a, vecf b) { return _mm256_mul_ps(a, b); }
@@ -326,49 +324,9 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) vstore(acc_out + g * D * kVec + d * kVec, acc[g][d]);
 }
-
-// fixed_task on an int8 cache (rows of D * kVec values and a scale): the values widened in registers, a
-// key's scale applied to its G scores, a value's scale to its G probabilities.
-template <int G, int D>
-void q8_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, const int64_t* table, int64_t len,
-             int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
-             float* acc_out, float softcap) {
-  constexpr int64_t head_dim = D * kVec;
-  vecf q[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) q[g][d] = vload(qf + g * D * kVec + d * kVec);
-  for (int64_t t = 0; t < len; ++t) {
-    const int8_t* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
-    const float ks = q8_scale(k, head_dim);
-    vecf kr[D];
-    for (int d = 0; d < D; ++d) kr[d] = vload_row(k + d * kVec);
-    for (int g = 0; g < G; ++g) {
-      vecf a = vmul(q[g][0], kr[0]);
-      for (int d = 1; d < D; ++d) a = vfma(q[g][d], kr[d], a);
-      scores[g * len + t] = vsum(a) * ks;
-    }
-  }
-  cap_scores(scores, G * len, softcap);
-  for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
-  vecf acc[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) acc[g][d] = vzero();
-  for (int64_t t = 0; t < len; ++t) {
-    const int8_t* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
-    const float vs = q8_scale(v, head_dim);
-    vecf vr[D];
-    for (int d = 0; d < D; ++d) vr[d] = vload_row(v + d * kVec);
-    for (int g = 0; g < G; ++g) {
-      const vecf p = vset1(scores[g * len + t] * vs);
-      for (int d = 0; d < D; ++d) acc[g][d] = vfma(p, vr[d], acc[g][d]);
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) vstore(acc_out + g * D * kVec + d * kVec, acc[g][d]);
-}
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 // A sequence's int8 cache rows for one KV head in order, walking its block table: one lookup a block, no
 // division a token. A head's rows of a block lie back to back (head-major); entering a block prefetches the
 // same head's rows `ahead` blocks on (see the top of the file).
@@ -396,8 +354,8 @@ inline __m256i sum_lanes8(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
-// q8_task with integer scores and int16 weights for V (AVX2, head_dim a multiple of 16), where q8_task's
-// float loops cost what the bfloat16 cache's do (widening int8 to float32 takes as many instructions as
+// The int8 cache's task: integer scores and int16 weights for V (head_dim a multiple of 16), where float
+// loops would cost what the bfloat16 cache's do (widening int8 to float32 takes as many instructions as
 // bfloat16) and so gain nothing from reading half the bytes.
 // Scores: each query row rounded to int16 against its own scale (absmax / 32767, 1.5e-5 of its largest
 // value, far below the keys' int8 step), q.k summed exactly in int32 by vpmaddwd over the keys widened to
@@ -681,11 +639,7 @@ using Q8Task = void (*)(const float*, const int8_t*, const int8_t*, const int64_
 
 // The int8 task for this shape, or nullptr for the general loops.
 inline Q8Task pick_q8_task(int64_t group, int64_t head_dim) {
-#if defined(__AVX512F__)
-#define INFER_CASE(G, HD) if (group == G && head_dim == HD) return &q8_task<G, HD / kVec>;
-#else
 #define INFER_CASE(G, HD) if (group == G && head_dim == HD) return &q8i_task<G, HD>;
-#endif
   INFER_CASE(1, 64) INFER_CASE(2, 64) INFER_CASE(3, 64) INFER_CASE(4, 64) INFER_CASE(5, 64) INFER_CASE(6, 64)
   INFER_CASE(7, 64) INFER_CASE(8, 64) INFER_CASE(1, 128) INFER_CASE(2, 128) INFER_CASE(4, 128) INFER_CASE(7, 128)
   INFER_CASE(8, 128)
@@ -694,7 +648,7 @@ inline Q8Task pick_q8_task(int64_t group, int64_t head_dim) {
 }
 #endif
 
-// Whether the int8 cache takes q8_task (tests turn it off to check the general loops on this host).
+// Whether the int8 cache takes q8i_task (tests turn it off to check the general loops on this host).
 inline std::atomic<bool>& q8_fixed_on() {
   static std::atomic<bool> on{true};
   return on;
