@@ -146,3 +146,14 @@ def test_the_kernel_tests_pass_under_each_lower_class(cls):
     print(tail)
     assert run.returncode == 0, f"INFER_ISA={cls}: {tail}"
     assert " passed" in run.stdout, tail
+
+
+def test_the_ahead_of_time_build_covers_each_class_and_refuses_unknown_words():
+    """python -m infer.kernels build --all-classes (make install): what each class builds, and its usage."""
+    from infer.kernels.__main__ import _kernels, main
+
+    assert set(_kernels("avx2")) == {"layer_ops", "paged_attention", "bf16_linear", "int4_linear", "int8_linear",
+                                     "bf16_attention", "step_layers"}
+    assert set(_kernels("amx")) == set(_kernels("avx2")) | {"amx_linear", "amx_attention"}
+    assert set(_kernels(None)) == {"layer_ops", "paged_attention"}  # below AVX2: the portable kernels only
+    assert main(["build", "--every-class"]) == 2
