@@ -18,27 +18,24 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 
-def _kernels(cls: str | None) -> dict[str, tuple[str, str]]:
-    """Kernel name -> (module, loader) that class builds, as the runtime loads them."""
-    from . import isa
-
-    kernels = {"layer_ops": ("layer_ops", "load"), "paged_attention": ("cpu_attention", "load")}
+def _kernels(cls: str | None) -> dict[str, str]:
+    """Kernel name -> the module (kernels/<module>.py) whose ``load()`` builds it for that class, as the
+    runtime loads it."""
+    kernels = {"layer_ops": "layer_ops", "paged_attention": "cpu_attention"}
     if cls == "amx":
-        kernels |= {"amx_linear": ("amx_linear", "load"), "amx_attention": ("amx_attention", "load")}
-    if cls is not None and isa.CLASSES.index(cls) >= isa.CLASSES.index("avx2"):
-        kernels |= {"bf16_linear": ("bf16_linear", "load"), "int4_linear": ("int4_linear", "load"),
-                    "int8_linear": ("int8_linear", "load"), "bf16_attention": ("bf16_attention", "load"),
-                    "step_layers": ("step_layers", "load")}
+        kernels |= {"amx_linear": "amx_linear", "amx_attention": "amx_attention"}
+    if cls is not None:  # every class has AVX2 + FMA
+        kernels |= {k: k for k in ("bf16_linear", "int4_linear", "int8_linear", "bf16_attention", "step_layers")}
     return kernels
 
 
-def _build_one(cls: str | None, name: str, module: str, loader: str) -> tuple[str | None, str, bool, float]:
+def _build_one(cls: str | None, name: str, module: str) -> tuple[str | None, str, bool, float]:
     """In a fresh process (spawned): the class is set before torch starts, as kernels/isa.py asks."""
     if cls is not None:
         os.environ["INFER_ISA"] = cls
     logging.basicConfig(level=logging.WARNING, format=f"[{cls} {name}] %(message)s")
     t0 = time.perf_counter()
-    built = getattr(importlib.import_module(f"infer.kernels.{module}"), loader)()
+    built = importlib.import_module(f"infer.kernels.{module}").load()
     return cls, name, built is not None, time.perf_counter() - t0
 
 
@@ -56,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     classes = [own]
     if "--all-classes" in argv and own is not None:
         classes = list(isa.CLASSES[:isa.CLASSES.index(own) + 1])
-    jobs = [(c, name, *where) for c in classes for name, where in _kernels(c).items()]
+    jobs = [(c, name, module) for c in classes for name, module in _kernels(c).items()]
     workers = max(1, min(len(os.sched_getaffinity(0)), len(jobs)))
     failed = []
     t0 = time.perf_counter()

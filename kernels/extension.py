@@ -54,33 +54,34 @@ def flags() -> list[str]:
     return [*BASE_FLAGS, *isa.compile_flags()]
 
 
-def source_files(source: str) -> list[Path]:
-    """What a build compiles: the source, the sources it includes, and every header."""
-    included = sorted(set(re.findall(r'#include "([\w.]+\.cpp)"', (CSRC / source).read_text())))
-    return [CSRC / source, *(CSRC / c for c in included), *sorted(CSRC.glob("*.h"))]
+def sources(source: str) -> dict[str, bytes]:
+    """What a build compiles, by file name, read once: the source, the sources it includes, and every header."""
+    text = (CSRC / source).read_bytes()
+    included = sorted(set(re.findall(rb'#include "([\w.]+\.cpp)"', text)))
+    return {source: text, **{c.decode(): (CSRC / c.decode()).read_bytes() for c in included},
+            **{h.name: h.read_bytes() for h in sorted(CSRC.glob("*.h"))}}
 
 
-def build_key(source: str, cflags: list[str]) -> str:
-    """The identity of a build: source (and sources it includes) and headers, flags, torch version, CPU
-    instruction set."""
+def build_key(source: str, cflags: list[str], files: dict[str, bytes] | None = None) -> str:
+    """The identity of a build: source (and sources it includes) and headers (``files``, read here when not
+    given), flags, torch version, CPU instruction set."""
     import torch
 
-    inputs = [*(f.read_bytes() for f in source_files(source)),
+    inputs = [*(files or sources(source)).values(),
               " ".join(flags() + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
               platform.python_version().encode()]
     return hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
 
 
-def _copy_sources(source: str, into: Path) -> Path:
+def _copy_sources(files: dict[str, bytes], into: Path) -> None:
     """The build's own copy of its sources (written where it differs): ninja's build file names the source's
     path, so compiling from the checkout would rebuild a cached kernel whenever another checkout (a git
     worktree, a second clone) with the same sources loaded it."""
     into.mkdir(parents=True, exist_ok=True)
-    for f in source_files(source):
-        copy, data = into / f.name, f.read_bytes()
+    for name, data in files.items():
+        copy = into / name
         if not copy.is_file() or copy.read_bytes() != data:
             copy.write_bytes(data)
-    return into / source
 
 
 def build(name: str, source: str, cflags: list[str]) -> object | None:
@@ -89,7 +90,8 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         return None
     from torch.utils.cpp_extension import load as load_extension
 
-    key = build_key(source, cflags)
+    files = sources(source)
+    key = build_key(source, cflags, files)
     directory = cache_root() / f"{name}-{key}"
     failed = directory / "failed"
     if failed.exists():
@@ -114,7 +116,8 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         # the key in the module's name and as a define: the module records which build it is, and torch's
         # loader, which renames (and so recompiles) a name it already loaded with other flags in this
         # process, sees each build under a name of its own (a test loading two classes compiles neither)
-        return load_extension(name=f"{name}_{key}", sources=[str(_copy_sources(source, directory / "src"))],
+        _copy_sources(files, directory / "src")
+        return load_extension(name=f"{name}_{key}", sources=[str(directory / "src" / source)],
                               build_directory=str(directory),
                               extra_cflags=[*flags(), f"-DINFER_SOURCE_DIGEST={key}", *cflags],
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
