@@ -4,9 +4,11 @@
 no user request waits for a compiler; a process that finds one missing builds it at load (about a
 minute a source) and says so. Builds are cached under ``$INFER_KERNEL_CACHE`` (default
 ``~/.cache/infer/kernels``) in a directory keyed by what decides the binary: the source and its
-headers, the compiler flags (the CPU class's target, kernels/isa.py), the torch version and the CPU's
-instruction-set flags. Two environments, or two machines sharing a home directory, never load each
-other's builds or rebuild over them.
+headers, the compiler flags (the CPU class's target, kernels/isa.py), the torch version and where it
+is installed (the build file names its headers' path: two environments with one version would rebuild
+over each other), and the CPU's instruction-set flags. Two environments, or two machines sharing a home
+directory, never load each other's builds or rebuild over them; two checkouts in one environment share
+them (each build compiles its own copy of its sources).
 
 A build that failed to compile is remembered by its key, so not every process pays the minute
 again; a failure of the machine (a full disk, a permission) is not remembered, so the next process
@@ -64,11 +66,12 @@ def sources(source: str) -> dict[str, bytes]:
 
 def build_key(source: str, cflags: list[str], files: dict[str, bytes] | None = None) -> str:
     """The identity of a build: source (and sources it includes) and headers (``files``, read here when not
-    given), flags, torch version, CPU instruction set."""
+    given), flags, torch version and install directory, CPU instruction set."""
     import torch
 
     inputs = [*(files or sources(source)).values(),
-              " ".join(flags() + cflags).encode(), torch.__version__.encode(), cpu_flags().encode(),
+              " ".join(flags() + cflags).encode(), torch.__version__.encode(),
+              str(Path(torch.__file__).resolve().parent).encode(), cpu_flags().encode(),
               platform.python_version().encode()]
     return hashlib.sha256(b"\0".join(inputs)).hexdigest()[:16]
 

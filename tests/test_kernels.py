@@ -218,7 +218,8 @@ def test_a_build_lock_left_by_a_killed_compile_is_removed(age_s, removed, tmp_pa
 
 
 def test_kernel_builds_are_keyed_by_source_flags_torch_and_cpu(monkeypatch):
-    """Two environments (torch versions) or two CPUs never share a build directory."""
+    """Two environments (torch versions, or one version installed twice) or two CPUs never share a build
+    directory."""
     import torch
 
     from infer.kernels import extension
@@ -231,6 +232,9 @@ def test_kernel_builds_are_keyed_by_source_flags_torch_and_cpu(monkeypatch):
     assert key != extension.build_key("paged_attention.cpp", ["-fopenmp"])
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.0-another-env")
+    assert key != extension.build_key("paged_attention.cpp", ["-fopenmp"])
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__file__", "/another/venv/torch/__init__.py")  # the same version elsewhere
     assert key != extension.build_key("paged_attention.cpp", ["-fopenmp"])
 
 
