@@ -97,10 +97,7 @@ def main(argv=None) -> dict:
         config = json.loads((artifact / CONFIG).read_text())
         llm = LLM(artifact, dtype="bfloat16", kv_cache_memory=256 << 20, enable_prefix_caching=False)
         engines[artifact.name] = {"llm": llm, "config": config, "bytes": weight_bytes(artifact, "bfloat16"),
-                                  "kernels": llm.engine.kernels.describe(torch.bfloat16),
-                                  "linears": sorted({getattr(m, "backend", getattr(m, "kernel", None)) for m in
-                                                     llm.engine.model.modules() if hasattr(m, "backend") or
-                                                     hasattr(m, "kernel")} - {None})}
+                                  "plan": llm.engine.plan.describe()}
     vocab = next(iter(engines.values()))["config"]["vocab_size"]
     rows = {name: {"decode": [], "prefill": [], "floor_share": [], "peak_share": []} for name in engines}
     llama_rows = {"decode": [], "prefill": []}
@@ -149,7 +146,7 @@ def main(argv=None) -> dict:
     result = {"host": host_info(), "isa": isa.active(), "threads": threads, "instruction": instruction,
               "probes": {k: summary(v) for k, v in probes.items()},
               "prefill_tokens": PREFILL, "decode_tokens": DECODE_TOKENS, "prompt_tokens": PROMPT,
-              "artifacts": {name: {"weight_bytes": e["bytes"], "kernels": e["kernels"], "linears": e["linears"],
+              "artifacts": {name: {"weight_bytes": e["bytes"], "plan": e["plan"],
                                    "prefill_flops": flops_of_prefill(e["config"], PREFILL),
                                    **{k: summary(v) for k, v in rows[name].items()}}
                             for name, e in engines.items()},

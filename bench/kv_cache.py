@@ -139,7 +139,7 @@ def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.
         else:
             cache.copy_(torch.randn(cache.shape, generator=gen, dtype=torch.float32).to(cache.dtype))
         engines[name] = llm
-        kernels[name] = llm.engine.kernels.describe(llm.engine.model.dtype)
+        kernels[name] = llm.engine.plan.describe()
     vocab = engines["bfloat16"].engine.model.config.vocab_size
     seqs = []
     for i in range(batch):
@@ -152,7 +152,7 @@ def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.
     for _ in range(rounds):
         for name, llm in engines.items():
             times[name].append(_median_call(lambda: llm.engine.runner.execute(step), 5) * 1e3)
-    return [_row(f"decode step, batch {batch}, context {context}", "ms/step", times)], {"kernels": kernels,
+    return [_row(f"decode step, batch {batch}, context {context}", "ms/step", times)], {"plan": kernels,
                                                                                        "block_bytes": block_bytes}
 
 
@@ -297,14 +297,14 @@ def main(argv=None) -> dict:
     seed = int(time.time())
     print(f"seed {seed}; host {host_info().get('cpu')}; torch threads {torch.get_num_threads()}")
     gen = torch.Generator().manual_seed(seed)
-    rows, engine = [], {"kernels": None, "block_bytes": {}}
+    rows, engine = [], {"plan": None, "block_bytes": {}}
     if args.rounds:
         rows = kernel_rows(args.rounds, args.context, (1, args.batch), gen)
         more, engine = step_rows(args.artifact, args.rounds, args.batch, args.context, gen)
         rows += more
     memory = 1 << 30
     tokens = {name: memory // b * BLOCK for name, b in engine["block_bytes"].items()}
-    result = {"benchmark": "kv_cache", "seed": seed, "rows": rows, "kernels": engine["kernels"],
+    result = {"benchmark": "kv_cache", "seed": seed, "rows": rows, "plan": engine["plan"],
               "capacity": {"kv_cache_memory": memory, "tokens": tokens,
                            "int8_x": round(tokens["int8"] / tokens["bfloat16"], 3) if tokens else None}}
     print(f"{'what':44} {'bfloat16':>10} {'int8':>10} {'int8 x':>7}  spread bf16 | int8")
@@ -341,7 +341,7 @@ def main(argv=None) -> dict:
             print(f"{name:24} vs the float32 cache, model in float32 (transformers):", r)
     if tokens:
         print(f"capacity at --kv-cache-memory 1G: {tokens} tokens ({result['capacity']['int8_x']}x)")
-        print("kernels:", engine["kernels"])
+        print("plan:", engine["plan"])
     save_json(result, args.json)
     return result
 

@@ -109,7 +109,7 @@ def main(argv=None) -> dict:
                     for side in order:
                         doc = run_bench(bench_args, artifact, scratch / f"{bench}-{side}-{r}.json", sides[side])
                         runs[side].append({name: pick(doc, path) for name, (path, _) in figures.items()})
-                        runs[side][-1]["kernels"] = doc.get("kernels")
+                        runs[side][-1]["kernels"] = doc.get("plan", doc.get("kernels"))
                         print(f"[{bench}] round {r + 1} {side}: "
                               + ", ".join(f"{k} {v:.4g}" for k, v in runs[side][-1].items() if k != "kernels"),
                               flush=True)

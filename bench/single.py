@@ -35,7 +35,7 @@ def _engine_timer(artifact: Path, dtype: str, amx: bool | None = None):
     from infer.runtime import LLM, SamplingParams
 
     llm = LLM(artifact, dtype=dtype, kv_cache_memory=256 << 20, amx=amx)
-    _engine_timer.kernels[amx] = llm.engine.kernels.describe(getattr(torch, dtype))
+    _engine_timer.plans[amx] = llm.engine.plan.describe()
 
     def run(prompt: list[int], tokens: int) -> float:
         start = time.perf_counter()
@@ -45,7 +45,7 @@ def _engine_timer(artifact: Path, dtype: str, amx: bool | None = None):
     return run
 
 
-_engine_timer.kernels = {}
+_engine_timer.plans = {}
 
 
 def _transformers_timer(artifact: Path, dtype: str):
@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
     result = {"benchmark": "single_request_decode", "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
               "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(),
-              "kernels": {name: _engine_timer.kernels[amx] for name, amx in engines.items()},
+              "plan": {name: _engine_timer.plans[amx] for name, amx in engines.items()},
               **{name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}}
     result["speedup"] = result["infer"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
     shares = {name: [rate / floor for rate, floor in zip(v, floors)] for name, v in rates.items()}

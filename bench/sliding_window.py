@@ -69,7 +69,7 @@ def _run(artifact: Path, prompt: list[int], tokens: int, every: int) -> dict:
             if n and n % every == 0:
                 marks[len(seq)] = live
     t_end = time.perf_counter()
-    return {"kernels": engine.kernels.describe(engine.model.dtype), "step_path": engine.model.step_path,
+    return {"plan": engine.plan.describe(),
             "window": engine.window, "num_blocks": engine.num_blocks, "max_blocks_held": max(held),
             "blocks_held_at_length": marks, "ttft_s": round(t_first - t0, 3),
             "decode_tok_s": round((tokens - 1) / (t_end - t_first), 1)}
@@ -92,7 +92,7 @@ def main(argv=None) -> None:
             r = rows[name]
             print(f"{name:8s} window {window}: blocks held max {r['max_blocks_held']}, by length "
                   f"{r['blocks_held_at_length']}; decode {r['decode_tok_s']} tok/s; ttft {r['ttft_s']} s; "
-                  f"{r['step_path']}", flush=True)
+                  f"step {r['plan']['step']} ({r['plan']['step_why']})", flush=True)
     result = {"bench": "sliding_window", "dtype": "bfloat16", "window": args.window, "prompt_tokens": 128,
               "generated_tokens": args.tokens, "rows": rows,
               "speed_x_full": round(rows["sliding"]["decode_tok_s"] / rows["full"]["decode_tok_s"], 3)}

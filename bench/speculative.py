@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     for llm in engines.values():  # warm: first-use costs out of the figures
         llm.generate([tok.apply_chat_template([{"role": "user", "content": "Say hi. Say hi."}])], params)
-    report = {"host": host_info(), "kernels": engines["off"].engine.kernels.describe(engines["off"].engine.model.dtype),
+    report = {"host": host_info(), "plan": engines["off"].engine.plan.describe(),
               "artifact": str(args.artifact), "max_tokens": args.max_tokens,
               "num_speculative_tokens": args.num_speculative_tokens, "verify_cost": args.verify_cost, "sets": {}}
     keys = ("spec_steps", "spec_drafted", "spec_accepted", "spec_emitted")

@@ -106,7 +106,7 @@ def main(argv=None) -> None:
             "sample_ms_p50_unconstrained": round(percentile(sample_ms["free"], 50), 3),
             "sample_ms_p50_json_schema": round(percentile(sample_ms["json"], 50), 3),
         }
-    report = {"host": host_info(), "kernels": engine.kernels.describe(engine.model.dtype),
+    report = {"host": host_info(), "plan": engine.plan.describe(),
               "artifact": str(args.artifact), "dtype": str(engine.model.dtype), "max_tokens": args.max_tokens,
               "compile_first_schema_with_tokenizer_s": round(first_with_tokenizer, 3),
               "compile_first_seen_schema_s_median": round(statistics.median(compile_s), 4),

@@ -52,14 +52,16 @@ def save_json(result: dict, path: Path) -> None:
     from infer.kernels.resolver import resolve
 
     result = {"host": host_info(), **result}
-    if "kernels" not in result and result.get("dtype") in ("float32", "bfloat16"):
+    if "plan" not in result and "kernels" not in result and result.get("dtype") in ("float32", "bfloat16"):
         dtype = getattr(torch, result["dtype"])
         result["kernels"] = resolve("auto", dtype=dtype).describe(dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"host: {result['host']}")
-    if "kernels" in result:
-        print(f"kernels: {result['kernels']}")
+    for key in ("plan", "kernels"):  # an engine's plan, else the kernels a bare-model benchmark resolved
+        if key in result:
+            print(f"{key}: {result[key]}")
+            break
     print(f"saved {path}")
 
 

@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
     linear = [c for c in tuned.tuning.changed() if c.startswith("linear")]
     print("linear kernels changed at load:", "; ".join(linear) or "none")
     result = {"benchmark": "tune", "artifact": str(artifact), "dtype": str(tuned.model.dtype).removeprefix("torch."),
-              "kernels": tuned.kernels.describe(tuned.model.dtype), "tuning_changed": tuned.tuning.changed(),
+              "plan": tuned.plan.describe(), "tuning_changed": tuned.tuning.changed(),
               "tuning_hardware": tuned.tuning.table["hardware"], "rows": rows}
     save_json(result, args.json)
     return result

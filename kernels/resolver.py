@@ -54,6 +54,7 @@ class KernelSet:
     step_layers: object | None = None  # kernels.step_layers' module (with bf16_linear or amx_linear), or None
     prefill_attention: Callable | None = None  # chunks that start a sequence: the AMX chunk kernel where AMX
     # is on, else kernels.bf16_attention's, or None: SDPA within each chunk
+    amx_chunks: bool = False  # the chunk kernels are AMX tiles' (else the CPU class's, kernels/bf16_attention.py)
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
         """How a plain linear of ``dtype`` runs: amx | blocks | onednn | torch (blocks: kernels/bf16_linear.py,
@@ -72,25 +73,21 @@ class KernelSet:
              "layer_ops": fast if self.layer_ops is not None else "torch",
              "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
              "kv_store": fast if self.store_kv is not None else "torch",
-             "chunk_attention": _chunk_kernel_name(self.chunk_attention),
-             "prefill_attention": _chunk_kernel_name(self.prefill_attention)}
+             "chunk_attention": self._chunk_kernel_name(self.chunk_attention),
+             "prefill_attention": self._chunk_kernel_name(self.prefill_attention)}
         if self.step_layers is not None:
             d["step_layers"] = "cpp"  # a step's layers in one call, where the model's layers fit it
         if dtype is not None:
             d["linear"] = self.linear_kernel(dtype)
         return d
 
+    def _chunk_kernel_name(self, kernel: Callable | None) -> str:
+        """amx | avx512bf16 | avx512 | avx2 | torch-sdpa: which prompt-chunk kernel ``kernel`` is."""
+        if kernel is None:
+            return "torch-sdpa"
+        from . import bf16_attention
 
-def _chunk_kernel_name(kernel: Callable | None) -> str:
-    """amx | avx512bf16 | avx512 | avx2 | torch-sdpa: which prompt-chunk kernel ``kernel`` is."""
-    if kernel is None:
-        return "torch-sdpa"
-    from . import amx_attention
-
-    amx = amx_attention.load() if cpu_has_amx() else None
-    from . import bf16_attention
-
-    return "amx" if amx is not None and kernel is amx.chunk_attention else bf16_attention.name()
+        return "amx" if self.amx_chunks else bf16_attention.name()
 
 
 def _amx_wanted(amx: bool | None) -> bool:
@@ -168,7 +165,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,
                      attention.paged_decode_attention if attention is not None else None,
                      attention.store_kv_ if attention is not None else None, chunk or prefill, linear_amx,
-                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16, fused, prefill)
+                     dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16, fused, prefill,
+                     chunk is not None)
 
 
 class _TritonLayerOps:

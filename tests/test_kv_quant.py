@@ -122,7 +122,7 @@ def test_decode_refuses_a_cache_of_the_wrong_row_size():
 def test_kv_cache_dtype_follows_the_request_then_the_artifact_and_refuses_what_cannot_read_it():
     from types import SimpleNamespace
 
-    from infer.runtime.engine.model_runner import kv_cache_dtype
+    from infer.runtime.engine.plan import kv_cache_dtype
 
     cpp = SimpleNamespace(backend="cpp", decode_attention=cpu_attention.paged_decode_attention,
                           store_kv=cpu_attention.store_kv_)

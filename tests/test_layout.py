@@ -98,3 +98,27 @@ def test_each_artifact_file_name_is_written_once():
                 if isinstance(node, ast.Constant) and node.value in names:
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}: {node.value!r}")
     assert not found, "use runtime/artifact.py's constant instead of the literal:\n" + "\n".join(found)
+
+
+def test_which_kernel_runs_each_row_is_decided_in_the_plan_alone():
+    """runtime/engine/plan.py decides which kernel reads each kind of row and whether the one-call step takes a
+    step. Nowhere else in the runtime reads the resolver's attention kernels to pick one (the tune stage's
+    measurement, runtime/tuning_measure.py, times both alternatives), tests a step's context with hasattr or
+    identity to decide the step's path, or branches on a describe() string."""
+    import re
+
+    patterns = {r"kernels\.(prefill_attention|chunk_attention|decode_attention|store_kv)\b": "a resolver kernel",
+                r"hasattr\(ctx\b|ctx\.\w+ is (not )?self\.": "a check on the step's context",
+                r"describe\([^)]*\)\[": "a describe() string", r"decode_rows_only\s*=": "the prompt rows' kind"}
+    allowed = {REPO / "runtime" / "engine" / "plan.py", REPO / "runtime" / "tuning_measure.py"}
+    found = []
+    for path in (REPO / "runtime").rglob("*.py"):
+        if path in allowed:
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for pattern, what in patterns.items():
+                if re.search(pattern, line):
+                    found.append(f"{path.relative_to(REPO)}:{n}: {what}: {line.strip()}")
+    assert not found, "decide it in runtime/engine/plan.py:\n" + "\n".join(found)
+    # and the guard sees such a line where one is written
+    assert re.search(next(iter(patterns)), "chunk = kernels.prefill_attention")

@@ -87,7 +87,7 @@ def test_step_record_counts_the_rows_the_runner_runs_as_decodes(embedded_llm):
         tail = embedded_llm.generate([prefix + [ids[2 * bs]]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
     finally:
         engine.runner.prepare = prepare
-    assert engine.runner.decode_rows_only is False
+    assert engine.runner.plan.decode_rows_only is False
     assert tail.num_cached_tokens == 2 * bs  # the prompt's last token is all that is left to compute
     recs = [r for r in engine.step_records if r.step > before]
     assert [r.decode_rows for r in recs] == ran

@@ -3,10 +3,11 @@
 The step's new K/V are written into their slots first; then each query attends to its
 sequence's whole context gathered through its block table. Decodes (one query each) are done
 together in one call; so are prompt chunks that follow cached tokens (a burst of requests
-reusing one cached system prompt): through the AMX or AVX-512 BF16 chunk kernel, reading the cache
-in place, or padded to a common shape for one SDPA call with a causal mask offset by the tokens
-already cached. A chunk that starts a sequence goes through the prefill kernel (AVX-512 BF16, over
-the cache its K/V were just written to) where there is one, else attends within itself by SDPA. A backend is
+reusing one cached system prompt): through the chunk kernel (AMX tiles' or the CPU class's), reading the
+cache in place, or padded to a common shape for one SDPA call with a causal mask offset by the tokens
+already cached. A chunk that starts a sequence goes through the same chunk kernel (over the cache its K/V
+were just written to) where there is one, else attends within itself by SDPA. Which kernel reads which
+rows is the plan's (runtime/engine/plan.py). A backend is
 anything with ``attend(layer, q, k, v)``: a Triton/GPU backend implements the same call. What it
 builds (masks, indices, outputs) goes on the device of the tensors it is given. An int8 (quantized)
 cache takes the C++ store and decode kernels only, every row a decode row (runtime/engine/model_runner.py);
@@ -37,8 +38,12 @@ class PagedAttention:
     def __init__(self, kv_cache: torch.Tensor, block_size: int, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
                  decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None,
-                 prefill_kernel=None, decode_starts: torch.Tensor | None = None,
-                 windowed_layers: tuple[bool, ...] | None = None):
+                 decode_starts: torch.Tensor | None = None, windowed_layers: tuple[bool, ...] | None = None,
+                 one_call: bool = False):
+        """``chunk_kernel``: the prompt chunks' (fresh ones and those after cached tokens alike), or None: SDPA.
+        ``one_call``: the plan's route for this step (runtime/engine/plan.py): the model hands the whole step to
+        the one-call C++ step, which reads this context's tensors."""
+        self.one_call = one_call
         if kv_cache.dtype == torch.int8 and (decode_kernel is None or store_kv is None or prefills):
             # the SDPA paths would need a dequantized copy of the context: the model runner sends every row
             # of an int8 cache through the C++ kernels (ModelRunner's kv_dtype)
@@ -65,13 +70,9 @@ class PagedAttention:
                 self.window_mask = self.decode_mask & (span[None, :] >= decode_starts[:, None])[:, None, None, :]
         fresh = [c for c in prefills if c.context == c.length]
         after_cache = [c for c in prefills if c.context > c.length]
-        self.fresh = fresh if prefill_kernel is None else []  # SDPA within the chunk, one call each
-        in_place: dict = {}  # kernel -> the chunks it reads in place; one call for each kernel
-        if prefill_kernel is not None and fresh:
-            in_place.setdefault(prefill_kernel, []).extend(fresh)
-        if chunk_kernel is not None and after_cache:
-            in_place.setdefault(chunk_kernel, []).extend(after_cache)
-        self.in_place = [_ChunksInPlace(chunks, kernel) for kernel, chunks in in_place.items()]
+        self.fresh = fresh if chunk_kernel is None else []  # SDPA within the chunk, one call each
+        # the chunks the chunk kernel reads in place, in one call (a list: none or one such call)
+        self.in_place = [_ChunksInPlace(fresh + after_cache, chunk_kernel)] if chunk_kernel is not None and prefills else []
         self.padded = _PaddedChunks(after_cache if chunk_kernel is None else [], block_size, kv_cache.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

@@ -27,7 +27,8 @@ from ..artifact import CONFIG, TOKENIZER, Artifact, verify_artifact
 from .block_manager import BLOCK_SIZE, BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
-from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block, kv_cache_dtype, sliding_window
+from .model_runner import ModelRunner, StepOutput, graph_buckets_for, kv_bytes_per_block
+from .plan import kv_cache_dtype, sliding_window
 from .sampler import sample, token_logprobs, verify_draft
 from .sampling_params import SamplingParams
 from .scheduler import Fairness, ScheduledBatch, Scheduler
@@ -47,7 +48,7 @@ class EngineConfig:
     block_size: int = BLOCK_SIZE
     kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM (of free GPU memory on cuda)
     kv_cache_fraction: float = 0.2
-    kv_cache_dtype: str = "auto"  # auto (the artifact's manifest, else the model's dtype) | bfloat16 | int8 (model_runner)
+    kv_cache_dtype: str = "auto"  # auto (the artifact's manifest, else the model's dtype) | bfloat16 | int8 (runtime/engine/plan.py)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     # waiting prompts stop joining a step once its prompt tokens reach this (0: the budget alone)
@@ -209,7 +210,6 @@ class LLMEngine:
             cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size, device=self.device),
             hf_config=self.artifact.config, files=self.artifact.weight_files(), tuning=self.tuning, **on)
         self.kernels = self.model.kernels
-        log.info("kernels: %s", self.kernels.describe(self.model.dtype))
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.artifact.kv_cache_dtype, self.model.dtype, self.kernels)
@@ -235,6 +235,8 @@ class LLMEngine:
         on["kv_dtype"] = self.kv_dtype
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
                                                                         self.kernels, self.tuning, **on)
+        self.plan = self.runner.plan  # what runs: the load log, /version and the benchmarks print it
+        log.info("plan: %s", self.plan.describe())
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
         # structured output: grammars compiled for this vocabulary (lazily: xgrammar loads on first use)

@@ -25,15 +25,13 @@ from infer.kernels.cpu_attention import block_shape
 from infer.kernels.cuda_graphs import DEFAULT_BUCKETS, DecodeInputs, GraphRunner, buckets_up_to
 
 from .attention import PagedAttention, PrefillChunk
+from .plan import ONE_CALL, kv_cache_dtype, make_plan, sliding_window
 from ..model import Transformer
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 
 log = logging.getLogger("infer.engine")
-
-
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
 
 
 def kv_block_shape(model: Transformer, block_size: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -44,29 +42,6 @@ def kv_block_shape(model: Transformer, block_size: int, dtype: torch.dtype) -> t
 
 def kv_bytes_per_block(model: Transformer, block_size: int, dtype: torch.dtype) -> int:
     return 2 * model.config.num_layers * math.prod(kv_block_shape(model, block_size, dtype)) * dtype.itemsize
-
-
-def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtype, kernels) -> torch.dtype:
-    """The KV cache's dtype: ``requested`` (--kv-cache-dtype), where "auto" follows the artifact's manifest
-    (``artifact``: the format its build chose, None: the model's dtype). A 16-bit name means the model's
-    dtype (the cache holds what the model computes); int8 is the quantized cache, which needs the C++ CPU
-    kernels (the only ones that read it): ValueError naming the fix otherwise; "auto" then falls back to
-    the model's dtype. Tensor-parallel ranks each allocate their own KV heads' cache in the same dtype."""
-    if requested not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={requested!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
-    want = artifact if requested == "auto" else requested
-    if want != "int8":
-        return model_dtype
-    why = None
-    if kernels.backend != "cpp" or kernels.decode_attention is None or kernels.store_kv is None:
-        why = (f"the {kernels.backend} kernels cannot read it (only the C++ CPU kernels do: kernels=auto or cpp "
-               f"on the CPU)")
-    if why is None:
-        return torch.int8
-    if requested == "auto":
-        log.warning("the artifact's KV cache is int8, but %s: using %s", why, model_dtype)
-        return model_dtype
-    raise ValueError(f"kv_cache_dtype=int8: {why}; use kv_cache_dtype={str(model_dtype).removeprefix('torch.')}")
 
 
 @dataclass
@@ -83,6 +58,7 @@ class StepInputs:
     decode_blocks: torch.Tensor  # [D, W'] their block tables, padded with block 0
     decode_lens: torch.Tensor  # [D] their context lengths
     decode_kernel: bool = True  # the C++ paged decode kernel (False: gather + SDPA, the tuning's choice)
+    one_call: bool = False  # the one-call C++ step runs this step (the plan's route; else the layer loop)
     # [D] each decode row's sliding window's first position (position - window + 1, at least 0); None: the
     # model has no sliding-window layer
     decode_starts: torch.Tensor | None = None
@@ -142,8 +118,6 @@ class ModelRunner:
         self.device = model.device
         if device is not None and torch.device(device) not in (model.device, torch.device(model.device.type)):
             raise ValueError(f"the model is on {model.device}, the runner was asked for {torch.device(device)}")
-        self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
-        self.chunk_kernel, self.prefill_kernel = kernels.chunk_attention, kernels.prefill_attention
         if tuning is not None and self.device.type != "cpu":
             log.info("tuning: the table's choices (C++ kernel or SDPA, threads) are for the CPU; not used on %s",
                      self.device)
@@ -153,23 +127,19 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.pin = self.device.type == "cuda"  # step inputs in pinned memory: copies that do not block
+        kv_dtype = kv_dtype or model.dtype
+        if kv_dtype == torch.int8:
+            kv_cache_dtype("int8", None, model.dtype, kernels)  # raises unless the C++ CPU kernels run
+        self.window, self.windowed_layers = sliding_window(cfg)
+        if self.window is not None and kernels.backend == "triton":
+            raise ValueError(f"sliding-window attention (window {self.window}) runs on the CPU kernels or torch "
+                             f"SDPA; the triton decode kernel has no window yet: use kernels=cpp or kernels=torch")
+        self.plan = make_plan(model, kernels, kv_dtype, tuning)  # which kernel runs each row, and each step's path
+        self.decode_kernel, self.store_kv, self.chunk_kernel = (self.plan.decode_kernel, self.plan.store_kv,
+                                                                self.plan.chunk_kernel)
         # zeros, not torch.empty's stale memory (which can hold NaN: the SDPA paths weight padding and slots
         # past a sequence's end by 0, and 0 x NaN would fail a request); writing it also touches every page
         # now, at load, rather than during the first requests
-        kv_dtype = kv_dtype or model.dtype
-        self.quantized_kv = kv_dtype == torch.int8
-        if self.quantized_kv:
-            kv_cache_dtype("int8", None, model.dtype, kernels)  # raises unless the C++ CPU kernels run
-            self.chunk_kernel = self.prefill_kernel = None  # they read 16-bit caches; chunks run as decode rows
-        self.window, self.windowed_layers = sliding_window(cfg)
-        if self.window is not None:
-            if kernels.backend == "triton":
-                raise ValueError(f"sliding-window attention (window {self.window}) runs on the CPU kernels or torch "
-                                 f"SDPA; the triton decode kernel has no window yet: use kernels=cpp or kernels=torch")
-            self.chunk_kernel = self.prefill_kernel = None  # they attend causally from 0; chunks run as decode rows
-        if cfg.attn_softcap:
-            self.chunk_kernel = self.prefill_kernel = None  # they have no soft-cap: prompt chunks take explicit-score SDPA
-        self.decode_rows_only = self.quantized_kv or self.window is not None
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, *kv_block_shape(model, block_size, kv_dtype),
                                     dtype=kv_dtype, device=self.device)
         self.graphs = None
@@ -197,7 +167,7 @@ class ModelRunner:
             positions.extend(pos)
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in pos)
-            if self.decode_rows_only or seq.runs_as_decode(n):
+            if self.plan.decode_rows_only or seq.runs_as_decode(n):
                 # a decode, or a decode and its draft: each row a decode over the context up to its own
                 # position (the draft's K/V are stored before any row attends), so a draft is verified by
                 # the same kernels and the one-call step that decode steps run
@@ -211,9 +181,8 @@ class ModelRunner:
                 chunks.append((row, n, end))
                 chunk_tables.append(table[:-(-end // bs)])
             row += n
-        decode_kernel = True
-        if self.tuning is not None and not self.quantized_kv and decode_rows and self.tuning.decode_attention(len(decode_rows)) == "torch-sdpa":
-            decode_kernel = False  # the table measured gather + SDPA faster at this many decodes
+        decode_kernel = self.plan.decode_on_kernel(len(decode_rows))
+        one_call = self.plan.route(len(chunks), len(decode_rows)) == (ONE_CALL,)
         chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3)
         pin = self._pinned
         starts = None
@@ -223,7 +192,7 @@ class ModelRunner:
                           pin(torch.tensor(slots, dtype=torch.long)), chunk_info[:, 0], chunk_info[:, 1],
                           chunk_info[:, 2], pin(_padded(chunk_tables)), pin(torch.tensor(decode_rows, dtype=torch.long)),
                           pin(_padded(decode_tables)), pin(torch.tensor(decode_lens, dtype=torch.long)), decode_kernel,
-                          starts)
+                          one_call, starts)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.pin else t
@@ -236,8 +205,8 @@ class ModelRunner:
                                                                      inputs.chunk_contexts.tolist()))]
         return PagedAttention(self.kv_cache, bs, inputs.slots, prefills, inputs.decode_rows, inputs.decode_blocks,
                               inputs.decode_lens, self.decode_kernel if inputs.decode_kernel else None,
-                              self.store_kv, self.chunk_kernel, self.prefill_kernel, inputs.decode_starts,
-                              self.windowed_layers)
+                              self.store_kv, self.chunk_kernel, inputs.decode_starts, self.windowed_layers,
+                              inputs.one_call)
 
     def _threads(self, rows: int) -> None:
         """The table's thread count for a step of this many rows (the process default without one).
@@ -306,17 +275,6 @@ class ModelRunner:
 
     def close(self) -> None:
         """Releases what the runner holds beyond memory (a tensor-parallel runner: its ranks)."""
-
-
-def sliding_window(cfg) -> tuple[int | None, tuple[bool, ...] | None]:
-    """(the window, which layers slide) of a ModelConfig, or (None, None) when every layer attends in full.
-    A query at position p sees positions p - window + 1 .. p in a sliding layer (transformers' rule)."""
-    if not cfg.layer_windows:
-        return None, None
-    windows = {w for w in cfg.layer_windows if w is not None}
-    if len(windows) != 1:
-        raise ValueError(f"layer windows {sorted(windows)}: one window size for every sliding layer is supported")
-    return windows.pop(), tuple(w is not None for w in cfg.layer_windows)
 
 
 def _padded(tables: list[list[int]]) -> torch.Tensor:

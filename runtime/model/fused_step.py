@@ -3,11 +3,11 @@ every decoder linear runs on AMX tiles, on the column-block kernel, the int4 one
 (W8A16, W8A8 with dynamic per-token activations, FP8_DYNAMIC), in any mix (quant.auto's mixed builds): each linear is
 dispatched on its own packed weight.
 
-``Transformer.forward`` offers each step to it first. It takes the step when the engine's paged
-attention context runs it on the C++ kernels: decodes on the paged decode kernel, prompt chunks
-(fresh or after cached tokens) on the chunk kernel (AMX tiles' or AVX-512 BF16's), the KV store in
-C++. Otherwise (SDPA fallbacks) it declines (returns None), leaving the step to the Python loop over
-the layers. Both run the same kernels on the same weights, so they compute the same bits. Why:
+``Transformer.forward`` hands it the steps the plan routes to it (runtime/engine/plan.py, ``ctx.one_call``):
+those whose decodes run on the paged decode kernel and whose prompt chunks (fresh or after cached tokens)
+run on the chunk kernel (AMX tiles' or the CPU class's), the KV store in C++. The others (SDPA at a batch
+the tuning table chose it for, a head_dim the chunk kernel does not take) run the Python loop over the
+layers. Both run the same kernels on the same weights, so they compute the same bits. Why:
 between ~13 kernel calls a layer, Python costs ~3 ms a decode step and ~2 ms a prompt step (Zen 4),
 and a server's event loop then waits for the GIL at every call; one call releases it for the whole
 step.
@@ -22,11 +22,7 @@ class FusedStep:
     def __init__(self, model, kernels):
         """``kernels``: the model's KernelSet (infer.kernels.resolver), with ``step_layers``."""
         self.module = kernels.step_layers
-        # the C++ paged decode attention and KV store: the steps whose context uses them are taken
-        self.decode_kernel, self.store_kv = kernels.decode_attention, kernels.store_kv
-        # the chunk kernel the engine runs (AMX tiles' where AMX is on, else AVX-512 BF16's): both are built in
-        self.chunk_kernel = kernels.prefill_attention
-        self.amx_chunks = kernels.describe()["prefill_attention"] == "amx"
+        self.amx_chunks = kernels.amx_chunks  # prompt chunks on AMX tiles (else the class's chunk kernel): both built in
         empty = torch.empty(0, dtype=torch.long)
         self.no_chunks = (empty, empty, empty, torch.empty(0, 0, dtype=torch.long))
         cfg = model.config
@@ -112,18 +108,10 @@ class FusedStep:
         return None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, ctx):
-        """(last layer's output, residual stream) for a step on the C++ kernels, else None."""
-        # the engine's PagedAttention (runtime/engine/attention.py) on these kernels, else the Python loop
-        if not (hasattr(ctx, "in_place") and ctx.store_kv is self.store_kv and x.is_contiguous()):
-            return None
-        if len(ctx.decode_rows) and (ctx.decode_kernel is not self.decode_kernel or self.decode_kernel is None):
-            return None
-        if ctx.decodes_only:
-            chunks = self.no_chunks
-        elif (self.chunk_kernel is None or ctx.fresh or ctx.padded.count or len(ctx.in_place) != 1
-              or ctx.in_place[0].kernel is not self.chunk_kernel):
-            return None  # prompt chunks on SDPA (a head_dim the chunk kernel does not take): the Python loop runs those
-        else:
+        """(last layer's output, residual stream) for a step the plan routes here (runtime/engine/plan.py:
+        ``ctx.one_call``): its decode rows on the paged decode kernel, its prompt chunks on the chunk kernel."""
+        chunks = self.no_chunks
+        if ctx.in_place:
             c = ctx.in_place[0]
             chunks = (c.starts, c.lengths, c.cached, c.tables)
         heads, kv_heads, head_dim, intermediate, eps = self.dims

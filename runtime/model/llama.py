@@ -413,6 +413,7 @@ class Transformer(nn.Module):
         # Gemma's embedding scale: float32 sqrt(hidden_size), as transformers rounds it, cast to the model's dtype
         self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, device="cpu")) if cfg.embed_scale else None
         self.fused_step = None  # runtime/model/fused_step.py's, where every layer fits it: steps in C++
+        self.step_path = "python layer loop: no C++ step was set up (runtime/model/loader.py sets one up)"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -427,9 +428,8 @@ class Transformer(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        fused = self.fused_step(x, positions, ctx) if self.fused_step is not None else None
-        if fused is not None:  # every layer in one C++ call
-            return self.norm(*fused)[0]
+        if ctx.one_call and self.fused_step is not None:  # the plan's route: every layer in one C++ call
+            return self.norm(*self.fused_step(x, positions, ctx))[0]
         rope = self.rotary.tables(positions, x.dtype)
         local = self.config.local_rope_layers
         if local:
@@ -468,6 +468,7 @@ class Transformer(nn.Module):
 class DenseCausalContext:
     """Attention over B equal-length sequences given whole, with no KV cache; a sliding-window layer's
     query at position i sees positions i - window + 1 .. i (``layer_windows``: ModelConfig's)."""
+    one_call = False  # the layer loop: the one-call C++ step reads a paged cache
 
     def __init__(self, batch: int, length: int, layer_windows: tuple[int | None, ...] | None = None):
         self.batch, self.length, self.layer_windows = batch, length, layer_windows

@@ -56,6 +56,10 @@ class PackedLinear(nn.Module):
             self.packed_weight = onednn.pack(weight)
             self.bias = linear.bias
 
+    @property
+    def kernel_name(self) -> str:  # the plan's name for it (runtime/engine/plan.py)
+        return f"bfloat16 {self.kernel}"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])

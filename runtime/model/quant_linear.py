@@ -104,6 +104,10 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.scheme}, backend={self.backend}"
 
+    @property
+    def kernel_name(self) -> str:  # the plan's name for it (runtime/engine/plan.py)
+        return f"{self.scheme} {self.backend}"
+
 
 def _describe(w: QuantWeight) -> str:
     s = f"w={w.weights.type}{w.weights.num_bits}/{w.weights.strategy}"

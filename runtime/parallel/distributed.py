@@ -213,8 +213,9 @@ def step_size(header: torch.Tensor) -> int:
 def decode_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
     _, t, p, w, d, wd, decode_kernel, windowed = header.tolist()
     parts = payload.split([t, t, t, p, p, p, p * w, d, d * wd, d, windowed * d])
-    return StepInputs(*parts[:6], parts[6].view(p, w), parts[7], parts[8].view(d, wd), parts[9], bool(decode_kernel),
-                      parts[10] if windowed else None)
+    # one_call stays False: a tensor-parallel rank runs the layer loop (the C++ step has no all-reduce)
+    return StepInputs(*parts[:6], parts[6].view(p, w), parts[7], parts[8].view(d, wd), parts[9],
+                      decode_kernel=bool(decode_kernel), decode_starts=parts[10] if windowed else None)
 
 
 def header(command: int, *sizes: int) -> torch.Tensor:

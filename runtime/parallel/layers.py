@@ -78,6 +78,12 @@ class RowParallel(nn.Module):
                         if getattr(inner, name, None) is not None:
                             getattr(inner, name).zero_()
 
+    @property
+    def kernel_name(self) -> str:  # the plan's name for it (runtime/engine/plan.py): the wrapped linear's
+        from ..engine.plan import linear_kernel
+
+        return linear_kernel(self.inner)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.reduce(self.inner(x))
         return y if self.bias is None else y + self.bias

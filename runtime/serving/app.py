@@ -83,7 +83,7 @@ async def version(request: Request):
         v = pkg_version("infer")
     except PackageNotFoundError:
         v = "unknown"
-    return {"version": v, "model": state.name, "model_version": state.version, "kernels": state.kernels}
+    return {"version": v, "model": state.name, "model_version": state.version, "plan": state.plan}
 
 
 async def metrics(request: Request):

@@ -249,7 +249,7 @@ def load_engine(state, loop: asyncio.AbstractEventLoop) -> None:
         t0 = time.monotonic()
         engine = LLMEngine(state.artifact, state.config.engine)
         state.engine = engine
-        state.kernels = engine.kernels.describe(engine.model.dtype)
+        state.plan = engine.plan.describe()
         tools = ToolSupport.for_template(engine.tokenizer.chat_template)
         log.info("tools: %s", f"rendered by {tools.source}" if tools else "refused (no template renders them)")
         engine.grammars.compiler()  # the grammar engine's view of the vocabulary, built before the first request

@@ -45,7 +45,7 @@ class State:
         self.config = config
         self.artifact = artifact
         self.engine = None
-        self.kernels: dict | None = None  # the kernel resolver's choices, once loaded
+        self.plan: dict | None = None  # what runs (runtime/engine/plan.py), once loaded
         self.loop_runner = None  # serving.engine_loop.EngineLoop, once loaded
         self.info: ModelInfo | None = None
         self.token_text: TokenText | None = None

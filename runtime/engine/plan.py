@@ -1,0 +1,189 @@
+"""The plan: what runs, decided once when a runner is built, and followed by every step.
+
+Three things decide it. The kernel set (infer.kernels.resolver) says which kernels this CPU class has
+built. The loader picks each linear's kernel as it lays out the weights (runtime/model/packed_linear.py
+for 16-bit linears, quant_linear.make_linear for quantized ones) and whether the model's layers fit the
+one-call C++ step (FusedStep.declines). The plan adds the KV cache's format, the model's attention
+features and the tuning table, and decides how each kind of row runs:
+
+- decode rows (one query over its context): the paged decode kernel, or gather + SDPA at the batch
+  sizes where the tuning table measured SDPA faster;
+- verify rows (a decode and its draft tokens, speculative decoding): decode rows, each over the
+  context up to its own position;
+- prompt chunks: in place through the chunk kernel (fresh chunks and chunks after cached tokens
+  alike), or SDPA where there is none; or as decode rows, where the cache is int8 (only the decode
+  kernel reads it) or the model has sliding-window layers (the chunk kernels attend from position 0).
+  A capped model (Gemma 2's attention soft-cap) takes SDPA with explicit scores: the chunk kernels
+  have no cap;
+
+and, per step (``route``), whether the one-call C++ step takes it. ModelRunner builds each step's
+attention from the plan's kernels, ``StepInputs.one_call`` carries the step's path to the model, and
+``describe()`` is what the load log, ``/version`` and the benchmarks print.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import logging
+
+import torch
+from torch import nn
+
+log = logging.getLogger("infer.engine")
+
+ONE_CALL = "one-call"  # kernels/csrc/step_layers.cpp: every layer of a step in one C++ call
+LAYER_LOOP = "layer-loop"  # Transformer.forward's Python loop over the layers
+
+
+@dataclass(frozen=True)
+class Plan:
+    backend: str  # cpp | torch | triton (infer.kernels.resolver)
+    amx: bool  # AMX tiles in use (linears, chunk attention)
+    cpu_class: str | None  # kernels/isa.py's active class where the C++ kernels run, else None
+    device: str
+    dtype: str  # the model's compute dtype
+    kv_cache: str  # the KV cache's dtype: the model's, or int8
+    layer_ops: str  # RMSNorm, rotary, SiLU-and-multiply: cpp | triton | torch
+    linears: dict  # linear name (qkv_proj, ..., lm_head) -> "scheme kernel", with the layers where they differ
+    step: str  # ONE_CALL where every layer fits kernels/csrc/step_layers.cpp, else LAYER_LOOP
+    step_why: str  # the reason for ``step``: what declined the one-call step
+    prompt_rows: str  # "chunks" | "decode-rows" (int8 cache, sliding-window layers)
+    decode_attention: str  # cpp | triton | torch-sdpa
+    prefill_attention: str  # prompt chunks: the chunk kernel (amx | avx512bf16 | avx512 | avx2) or torch-sdpa;
+    # "decode" where prompt rows are decode rows
+    sdpa_decode_batches: tuple[int, ...] = ()  # decode batch buckets the tuning table runs on SDPA
+    # the callables each step's attention reads (None: that part runs gather + SDPA or index_copy_)
+    decode_kernel: Callable | None = field(default=None, repr=False, compare=False)
+    store_kv: Callable | None = field(default=None, repr=False, compare=False)
+    chunk_kernel: Callable | None = field(default=None, repr=False, compare=False)
+    tuning: object = field(default=None, repr=False, compare=False)
+
+    @property
+    def decode_rows_only(self) -> bool:
+        return self.prompt_rows == "decode-rows"
+
+    def decode_on_kernel(self, rows: int) -> bool:
+        """Whether a step with ``rows`` decode rows runs them on the paged decode kernel (else gather + SDPA)."""
+        if self.decode_kernel is None:
+            return False
+        if self.tuning is None or self.kv_cache == "int8" or not rows:
+            return True  # an int8 cache is read by the decode kernel alone
+        return self.tuning.decode_attention(rows) != "torch-sdpa"
+
+    def route(self, chunks: int, decode_rows: int) -> tuple[str, ...]:
+        """What runs a step with ``chunks`` prompt chunks and ``decode_rows`` decode rows: (ONE_CALL,) or
+        the layer loop's attention paths, each "what:kernel" (decode:cpp, decode:torch-sdpa,
+        chunks:avx512bf16, chunks:torch-sdpa)."""
+        decode = None
+        if decode_rows:
+            decode = self.decode_attention if self.decode_on_kernel(decode_rows) else "torch-sdpa"
+        chunk = self.prefill_attention if chunks else None
+        if self.step == ONE_CALL and decode in (None, "cpp") and chunk in (None, *_IN_PLACE):
+            return (ONE_CALL,)
+        return tuple(p for p in (f"chunks:{chunk}" if chunk else None, f"decode:{decode}" if decode else None) if p)
+
+    def describe(self) -> dict:
+        """What runs each piece, as the load log, /version and the benchmarks' JSON print it."""
+        d = {"backend": self.backend, "amx": self.amx, "cpu_class": self.cpu_class, "device": self.device, "dtype": self.dtype,
+             "kv_cache": self.kv_cache, "step": self.step, "step_why": self.step_why, "layer_ops": self.layer_ops,
+             "decode_attention": self.decode_attention, "prompt_rows": self.prompt_rows,
+             "prefill_attention": self.prefill_attention, "verify_rows": "decode-rows", "linears": self.linears}
+        if self.sdpa_decode_batches:
+            d["sdpa_decode_batches"] = list(self.sdpa_decode_batches)
+        return d
+
+
+def sliding_window(cfg) -> tuple[int | None, tuple[bool, ...] | None]:
+    """(the window, which layers slide) of a ModelConfig, or (None, None) when every layer attends in full.
+    A query at position p sees positions p - window + 1 .. p in a sliding layer (transformers' rule)."""
+    if not cfg.layer_windows:
+        return None, None
+    windows = {w for w in cfg.layer_windows if w is not None}
+    if len(windows) != 1:
+        raise ValueError(f"layer windows {sorted(windows)}: one window size for every sliding layer is supported")
+    return windows.pop(), tuple(w is not None for w in cfg.layer_windows)
+
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8")
+
+
+def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtype, kernels) -> torch.dtype:
+    """The KV cache's dtype: ``requested`` (--kv-cache-dtype), where "auto" follows the artifact's manifest
+    (``artifact``: the format its build chose, None: the model's dtype). A 16-bit name means the model's
+    dtype (the cache holds what the model computes); int8 is the quantized cache, which needs the C++ CPU
+    kernels (the only ones that read it): ValueError naming the fix otherwise; "auto" then falls back to
+    the model's dtype. Tensor-parallel ranks each allocate their own KV heads' cache in the same dtype."""
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={requested!r}: choose one of {', '.join(KV_CACHE_DTYPES)}")
+    want = artifact if requested == "auto" else requested
+    if want != "int8":
+        return model_dtype
+    why = None
+    if kernels.backend != "cpp" or kernels.decode_attention is None or kernels.store_kv is None:
+        why = (f"the {kernels.backend} kernels cannot read it (only the C++ CPU kernels do: kernels=auto or cpp "
+               f"on the CPU)")
+    if why is None:
+        return torch.int8
+    if requested == "auto":
+        log.warning("the artifact's KV cache is int8, but %s: using %s", why, model_dtype)
+        return model_dtype
+    raise ValueError(f"kv_cache_dtype=int8: {why}; use kv_cache_dtype={str(model_dtype).removeprefix('torch.')}")
+
+
+_IN_PLACE = ("amx", "avx512bf16", "avx512", "avx2")  # the chunk kernels (kernels/bf16_attention.py's classes, AMX's)
+
+
+def make_plan(model, kernels, kv_dtype: torch.dtype, tuning=None) -> Plan:
+    """The plan for ``model`` (loaded with the KernelSet ``kernels``), a cache of ``kv_dtype`` and ``tuning``
+    (runtime/tuning.py's table, or None)."""
+    cfg = model.config
+    described = kernels.describe(model.dtype)
+    window, _ = sliding_window(cfg)
+    quantized = kv_dtype == torch.int8
+    decode_rows = quantized or window is not None
+    chunk = None if decode_rows or cfg.attn_softcap else kernels.prefill_attention
+    prefill = "decode" if decode_rows else described["prefill_attention"] if chunk is not None else "torch-sdpa"
+    if chunk is not None and kernels.chunk_attention is not chunk:
+        raise AssertionError("the resolver gives chunks after cached tokens and fresh ones one kernel")  # resolver.py
+    sdpa = ()
+    if tuning is not None and not quantized and kernels.decode_attention is not None:
+        sdpa = tuple(b for b in tuning.buckets if tuning.decode_attention(b) == "torch-sdpa")
+    step = ONE_CALL if model.fused_step is not None else LAYER_LOOP
+    return Plan(kernels.backend, kernels.amx, described["isa"], str(model.device), _name(model.dtype), _name(kv_dtype),
+                described["layer_ops"], linear_kernels(model), step, model.step_path,
+                "decode-rows" if decode_rows else "chunks", described["decode_attention"], prefill, sdpa,
+                kernels.decode_attention, kernels.store_kv, chunk, tuning)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def linear_kernel(module: nn.Module) -> str:
+    """"scheme kernel" of one linear: "bfloat16 blocks", "w=int4/group64 cpu-int4-blocks", "float32 torch"."""
+    named = getattr(module, "kernel_name", None)  # quantized, packed and tensor-parallel linears say their own
+    if named is not None:
+        return named
+    if isinstance(module, nn.Linear):
+        return f"{_name(module.weight.dtype)} torch"
+    return type(module).__name__
+
+
+def linear_kernels(model) -> dict:
+    """Each linear of the decoder layers and the LM head -> its kernel; where layers differ (quant.auto's
+    mixed builds), "kernel: layers i,j,...; kernel2: layers ..."."""
+    out = {}
+    names = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+    for name in names:
+        by_kernel: dict[str, list[int]] = {}
+        for i, layer in enumerate(model.layers):
+            by_kernel.setdefault(linear_kernel(layer.get_submodule(name)), []).append(i)
+        short = name.split(".")[-1]
+        if len(by_kernel) == 1:
+            out[short] = next(iter(by_kernel))
+        else:
+            out[short] = "; ".join(f"{k}: layers {','.join(map(str, v))}" for k, v in by_kernel.items())
+    out["lm_head"] = linear_kernel(model.lm_head)
+    return out
