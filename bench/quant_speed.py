@@ -43,7 +43,7 @@ def _engine(path: Path):
     packed = sum(1 for m in model.modules() if type(m).__name__ == "PackedLinear")
     if packed:
         linears[f"bf16-{llm.engine.kernels.linear_kernel(torch.bfloat16)}"] = packed
-    return llm, {"linears": dict(linears), "fused_step": model.fused_step is not None}
+    return llm, {"linears": dict(linears), "step": llm.engine.plan.step, "plan": llm.engine.plan.describe()}
 
 
 # one llama.cpp round in its own interpreter (llama-cpp-python lives in its own venv): decode and prefill as above
@@ -111,7 +111,7 @@ def main(argv=None) -> dict:
             raise SystemExit(f"--llama-cpp {item!r}: give NAME=GGUF, GGUF a file")
         peers[name] = Path(gguf)
         # a step reads every tensor (the tied embedding as the LM head too): the file, less its small header
-        info[name] = {"linears": "llama.cpp", "fused_step": None, "weight_bytes": Path(gguf).stat().st_size}
+        info[name] = {"linears": "llama.cpp", "step": None, "weight_bytes": Path(gguf).stat().st_size}
     vocab = ModelConfig.from_dir(next(iter(paths.values()))).vocab_size
     short = [pr for pr, _ in make_requests(2 * args.rounds + 1, vocab, 0, (16, 16))]
     long = [pr for pr, _ in make_requests(args.rounds + 1, vocab, 1, (args.prompt_tokens,) * 2)]
@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
               f"({min(decode[name]):.1f}-{max(decode[name]):.1f}){'':>4} {row['floor_tok_s']:>6.1f} "
               f"{row['share_of_floor']:>6.0%} {row['decode_x_base']:>6.2f} {row['prefill_tok_s']:>10.0f} "
               f"({min(prefill[name]):.0f}-{max(prefill[name]):.0f}){'':>4} {row['prefill_x_base']:>6.2f}  "
-              f"{row['linears']} / {row['fused_step']}")
+              f"{row['linears']} / {row['step']}")
     print(f"read bandwidth, round by round: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
     save_json(result, args.json)
     return result

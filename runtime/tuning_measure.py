@@ -129,8 +129,10 @@ def _context_tokens(model) -> int:
 
 def _decode_context(model, kernels, decodes: int, block_size: int, use_kernel: bool, layers: int | None = None):
     """A decodes-only attention context over a synthetic cache with CONTEXT tokens a sequence
-    (for ``layers`` layers: all of the model's by default)."""
+    (for ``layers`` layers: all of the model's by default). On the kernels, a whole step takes the path the
+    plan routes a decode step to (the one-call C++ step where the model has one), as served."""
     from .engine.attention import PagedAttention
+    from .engine.plan import ONE_CALL, make_plan
 
     cfg = model.config
     context = _context_tokens(model)
@@ -141,9 +143,10 @@ def _decode_context(model, kernels, decodes: int, block_size: int, use_kernel: b
     tables = torch.arange(1, blocks).view(decodes, per_seq)
     lens = torch.full((decodes,), context + 1)
     slots = tables[:, context // block_size] * block_size + context % block_size
+    one_call = use_kernel and make_plan(model, kernels, model.dtype).route(0, decodes) == (ONE_CALL,)
     return PagedAttention(cache, block_size, slots, [], torch.arange(decodes), tables, lens,
                           kernels.decode_attention if use_kernel else None,
-                          kernels.store_kv if use_kernel else None, None)
+                          kernels.store_kv if use_kernel else None, None, one_call=one_call)
 
 
 def measure_attention(model, kernels, buckets: list[int], block_size: int) -> dict:
