@@ -9,10 +9,12 @@
 3. Capacity: the blocks the same --kv-cache-memory holds.
 4. Optionally (--kld-windows N) the mean KLD of the int8 cache against the model's own cache over N
    held-out 2048-token windows (pipeline/kv_cache.py's measurement), the model in float32 (the build's
-   gate) and in bfloat16 (as served).
+   gate) and in bfloat16 (as served; and with the bfloat16 reference's prompt rows as decode rows, as the
+   int8 cache's are: then the two runs differ by the format alone, not also by the prompt kernel's rounding).
 5. Optionally (--chat N) greedy answers to N chat prompts (the eval's shipped set) with the float32 model
-   and cache, the bfloat16 model and cache, and the bfloat16 model on the int8 cache: how far the int8
-   cache's answers are from bfloat16's, beside how far bfloat16's are from float32's.
+   and cache, the bfloat16 model and cache (prompts on the chunk kernel, and as decode rows), and the
+   bfloat16 model on the int8 cache: how far the int8 cache's answers are from bfloat16's, beside how far
+   bfloat16's are from float32's.
 6. Optionally (--long N) long-prompt serving: N requests of 1,536 prompt tokens (held-out text, no shared
    prefixes) and 256 output tokens submitted at once, --kv-cache-memory sized so the bfloat16 cache holds
    N/2 of them whole: the most sequences running at once and the decode-phase output tok/s (decode-only
@@ -263,21 +265,28 @@ def one_byte_formats(artifact: Path, windows: int) -> dict:
 
 
 def chat_agreement(artifact: Path, prompts: int, max_tokens: int) -> dict:
-    """Greedy chat answers (the eval's shipped prompts) of three engines run one after another: float32
-    model and cache, bfloat16 model and cache, bfloat16 model on the int8 cache; each pair's agreement
-    (the shared prefix's share of the longer answer, eval/metrics.py)."""
+    """Greedy chat answers (the eval's shipped prompts) of four engines run one after another: float32
+    model and cache, bfloat16 model and cache (prompt chunks on the chunk kernel, and as decode rows), bfloat16
+    model on the int8 cache; each pair's agreement (the shared prefix's share of the longer answer,
+    eval/metrics.py)."""
     from infer.eval.metrics import greedy_agreement, greedy_outputs, load_prompts
     from infer.runtime import LLM
 
     texts = load_prompts("default", prompts)
     answers = {}
     # kv_cache_dtype "bfloat16" is the 16-bit cache: the model's own dtype (float32 for the float32 engine)
-    for name, dtype, kv in (("float32", "float32", "bfloat16"), ("bfloat16", "bfloat16", "bfloat16"),
-                            ("int8", "bfloat16", "int8")):
-        with LLM(artifact, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=256 << 20) as llm:
+    # "bfloat16 as decode rows": the bfloat16 cache read by the kernels that read the int8 cache (prompt rows as
+    # decode rows): against it the int8 answers differ by the format alone, not also by the prompt kernel's rounding
+    for name, dtype, kv, rows in (("float32", "float32", "bfloat16", "auto"), ("bfloat16", "bfloat16", "bfloat16", "auto"),
+                                  ("bfloat16 as decode rows", "bfloat16", "bfloat16", "decode-rows"),
+                                  ("int8", "bfloat16", "int8", "auto")):
+        with LLM(artifact, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=256 << 20, prompt_rows=rows) as llm:
             answers[name] = greedy_outputs(llm, texts, max_tokens)
     pairs = {"bfloat16 vs float32": ("bfloat16", "float32"), "int8 vs bfloat16": ("int8", "bfloat16"),
-             "int8 vs float32": ("int8", "float32")}
+             "int8 vs float32": ("int8", "float32"),
+             "int8 vs bfloat16 as decode rows": ("int8", "bfloat16 as decode rows"),
+             "bfloat16 as decode rows vs bfloat16": ("bfloat16 as decode rows", "bfloat16"),
+             "bfloat16 as decode rows vs float32": ("bfloat16 as decode rows", "float32")}
     return {pair: greedy_agreement(answers[a], answers[b]) for pair, (a, b) in pairs.items()}
 
 
@@ -318,8 +327,12 @@ def main(argv=None) -> dict:
         # float32 compute (the build's gate: the format's own loss) and bfloat16 (as served: both runs' own
         # rounding drifts apart too)
         result["kld"] = {c: compare_caches(args.artifact, windows, compute=c) for c in ("float32", "bfloat16")}
+        # in bfloat16 the served reference runs prompt chunks on the chunk kernel and the int8 cache as decode rows:
+        # the same comparison with the reference's prompt rows as decode rows too leaves the format alone
+        result["kld"]["bfloat16, reference as decode rows"] = compare_caches(args.artifact, windows, compute="bfloat16",
+                                                                             reference_rows="decode-rows")
         for c, r in result["kld"].items():
-            print(f"int8 vs {r['reference']} cache, model in {c}:",
+            print(f"int8 vs {r['reference']} cache ({r['reference_rows']}), model in {c.split(',')[0]}:",
                   {k: r[k] for k in ("tokens", "mean_kld", "p99_kld", "top1_agreement")})
     if args.chat:
         result["chat"] = chat_agreement(args.artifact, args.chat, args.chat_tokens)

@@ -38,7 +38,7 @@ def wanted(cfg: BuildConfig) -> bool:
 
 
 def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "int8",
-                   compute: str = "float32") -> dict:
+                   compute: str = "float32", reference_rows: str = "auto") -> dict:
     """The candidate cache's next-token distributions against the model's own cache over ``windows`` (token
     ids), every position scored: mean/p99/max KL divergence, top-1 agreement, and the bytes a token takes
     against the 16-bit cache.
@@ -46,7 +46,9 @@ def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "i
     ``compute`` float32 (the gate's): the model runs in float32, so what is measured is what the format
     loses. In bfloat16 the two runs' own rounding drifts apart whatever the cache, several times the
     format's loss on the embedded model (bench/kv_cache.py --kld-windows measures both; the figures are in
-    docs/benchmarks/)."""
+    docs/benchmarks/). ``reference_rows`` "decode-rows": the reference reads its prompt rows as the int8 cache
+    does (each a decode row, runtime/engine/plan.py), so that in bfloat16 the two runs differ by the format
+    alone and not also by the prompt-chunk kernel's rounding."""
     import torch
 
     from infer.runtime import LLM
@@ -63,7 +65,7 @@ def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "i
     engine = llm.engine
     model = engine.model
     kv_dtype = {"int8": torch.int8}[candidate]
-    reference = ModelRunner(model, blocks, bs, engine.kernels)
+    reference = ModelRunner(model, blocks, bs, engine.kernels, prompt_rows=reference_rows)
     quantized = ModelRunner(model, blocks, bs, engine.kernels, kv_dtype=kv_dtype)
     klds, agree = [], []
     start_time = time.perf_counter()
@@ -84,6 +86,7 @@ def compare_caches(artifact: Path, windows: list[list[int]], candidate: str = "i
     per_token = kv_bytes_per_block(model, bs, kv_dtype) // bs
     reference_per_token = kv_bytes_per_block(model, bs, torch.bfloat16) // bs  # what the 16-bit cache takes
     return {"dtype": candidate, "reference": str(model.dtype).removeprefix("torch."), "compute": compute,
+            "reference_rows": reference.plan.prompt_rows,
             "windows": len(windows), "window_tokens": longest, "tokens": int(kld.numel()), "mean_kld": float(kld.mean()),
             "p99_kld": float(kld.quantile(0.99)), "max_kld": float(kld.max()), "top1_agreement": float(same.mean()),
             "bytes_per_token": per_token, "reference_bytes_per_token": reference_per_token,

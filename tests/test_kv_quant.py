@@ -247,3 +247,16 @@ def test_decode_on_a_long_int8_cache_matches_float64(heads, kv_heads, head_dim, 
     excess = ((got.double() - want).abs() - want.abs() * 2 ** -8).max().item()
     print("largest output", want.abs().max().item(), "excess over bfloat16 rounding", excess)
     assert excess < 2e-3 * max(1.0, want.abs().max().item()), excess
+
+
+def test_the_like_for_like_reference_reads_its_prompt_rows_as_decode_rows(embedded_artifact):
+    """bench/kv_cache.py's served comparison: the bfloat16 reference's prompt rows as decode rows (the int8 cache's
+    route), so the two runs differ by the format alone; in float32 both references give the format's small loss."""
+    from infer.pipeline.kv_cache import compare_caches, eval_windows
+
+    windows = eval_windows(embedded_artifact, "pydoc_topics", 160, 1)
+    chunks = compare_caches(embedded_artifact, windows)
+    rows = compare_caches(embedded_artifact, windows, reference_rows="decode-rows")
+    print(chunks, rows)
+    assert (chunks["reference_rows"], rows["reference_rows"]) == ("chunks", "decode-rows")
+    assert 0 < rows["mean_kld"] < 0.05 and abs(rows["mean_kld"] - chunks["mean_kld"]) < 0.5 * chunks["mean_kld"]

@@ -187,3 +187,17 @@ def test_version_and_the_load_log_print_the_plan(embedded_artifact, caplog):
     assert set(described) >= {"cpu_class", "kv_cache", "step", "linears", "decode_attention", "prefill_attention",
                               "prompt_rows", "verify_rows"}
     assert described["linears"]["lm_head"].startswith("bfloat16 ")
+
+
+def test_prompt_rows_as_decode_rows_on_a_16_bit_cache(embedded_artifact, monkeypatch):
+    """The like-for-like reference for the int8 cache: a bfloat16 cache whose prompt rows attend as decode rows
+    (every step's rows decode rows); a wrong value is refused by name."""
+    llm = _llm(embedded_artifact, amx=False, prompt_rows="decode-rows")
+    plan = llm.engine.plan
+    assert (plan.kv_cache, plan.prompt_rows, plan.prefill_attention) == ("bfloat16", "decode-rows", "decode"), plan
+    trace = _Trace(llm.engine, monkeypatch)
+    _drive(llm)
+    trace.check()
+    assert all(chunks == 0 for chunks, _, _, _ in trace.steps) and len(trace.steps) > 3
+    with pytest.raises(ValueError, match="prompt_rows='chunks': choose one of auto, decode-rows"):
+        _llm(embedded_artifact, amx=False, prompt_rows="chunks")

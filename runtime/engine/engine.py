@@ -49,6 +49,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None: a fraction of available RAM (of free GPU memory on cuda)
     kv_cache_fraction: float = 0.2
     kv_cache_dtype: str = "auto"  # auto (the artifact's manifest, else the model's dtype) | bfloat16 | int8 (runtime/engine/plan.py)
+    # auto | decode-rows: prompt rows attend as decode rows on a 16-bit cache too, as an int8 cache's always do (a
+    # like-for-like reference for measuring the int8 format: runtime/engine/plan.py make_plan)
+    prompt_rows: str = "auto"
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     # waiting prompts stop joining a step once its prompt tokens reach this (0: the budget alone)
@@ -232,7 +235,7 @@ class LLMEngine:
                                    cfg.enable_chunked_prefill, cfg.prefill_batch_tokens, cfg.fairness)
         if not self.ranks:  # decode graphs are captured now, after the model, its kernels and the tuning are settled
             on["graph_buckets"] = graph_buckets_for(self.device, self.kernels.backend, cfg.cuda_graphs, cfg.max_num_seqs)
-        on["kv_dtype"] = self.kv_dtype
+        on["kv_dtype"], on["prompt_rows"] = self.kv_dtype, cfg.prompt_rows
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
                                                                         self.kernels, self.tuning, **on)
         self.plan = self.runner.plan  # what runs: the load log, /version and the benchmarks print it

@@ -102,7 +102,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None,
                  device: torch.device | str | None = None, graph_buckets: tuple[int, ...] | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, prompt_rows: str = "auto"):
         """``kernels``: the KernelSet the model was loaded with (infer.kernels.resolver); ``tuning``: a
         runtime.tuning.Tuning for this machine, whose per-bucket choices (decode attention kernel,
         threads) each step follows on the CPU. ``device``: the model's (None: wherever it is).
@@ -113,7 +113,7 @@ class ModelRunner:
         chunk's K/V are stored (quantized), so a prompt attends to the quantized cache as later tokens
         do and a prefix-cache hit computes what a miss computes. A model with sliding-window layers runs the
         same way (every row a decode row), each row reading its window's positions only in those layers
-        (``sliding_window``)."""
+        (``sliding_window``). ``prompt_rows``: the plan's (runtime/engine/plan.py make_plan)."""
         cfg = model.config
         self.device = model.device
         if device is not None and torch.device(device) not in (model.device, torch.device(model.device.type)):
@@ -134,7 +134,7 @@ class ModelRunner:
         if self.window is not None and kernels.backend == "triton":
             raise ValueError(f"sliding-window attention (window {self.window}) runs on the CPU kernels or torch "
                              f"SDPA; the triton decode kernel has no window yet: use kernels=cpp or kernels=torch")
-        self.plan = make_plan(model, kernels, kv_dtype, tuning)  # which kernel runs each row, and each step's path
+        self.plan = make_plan(model, kernels, kv_dtype, tuning, prompt_rows)  # which kernel runs each row, and each step's path
         self.decode_kernel, self.store_kv, self.chunk_kernel = (self.plan.decode_kernel, self.plan.store_kv,
                                                                 self.plan.chunk_kernel)
         # zeros, not torch.empty's stale memory (which can hold NaN: the SDPA paths weight padding and slots

@@ -135,14 +135,21 @@ def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtyp
 _IN_PLACE = ("amx", "avx512bf16", "avx512", "avx2")  # the chunk kernels (kernels/bf16_attention.py's classes, AMX's)
 
 
-def make_plan(model, kernels, kv_dtype: torch.dtype, tuning=None) -> Plan:
+PROMPT_ROWS = ("auto", "decode-rows")
+
+
+def make_plan(model, kernels, kv_dtype: torch.dtype, tuning=None, prompt_rows: str = "auto") -> Plan:
     """The plan for ``model`` (loaded with the KernelSet ``kernels``), a cache of ``kv_dtype`` and ``tuning``
-    (runtime/tuning.py's table, or None)."""
+    (runtime/tuning.py's table, or None). ``prompt_rows`` "decode-rows" runs prompt rows as decode rows on a
+    16-bit cache too: a reference that reads its cache by the same kernels as the int8 cache is read, so that
+    comparing the two measures the format and not the prompt kernels' rounding (bench/kv_cache.py)."""
+    if prompt_rows not in PROMPT_ROWS:
+        raise ValueError(f"prompt_rows={prompt_rows!r}: choose one of {', '.join(PROMPT_ROWS)}")
     cfg = model.config
     described = kernels.describe(model.dtype)
     window, _ = sliding_window(cfg)
     quantized = kv_dtype == torch.int8
-    decode_rows = quantized or window is not None
+    decode_rows = quantized or window is not None or prompt_rows == "decode-rows"
     chunk = None if decode_rows or cfg.attn_softcap else kernels.prefill_attention
     prefill = "decode" if decode_rows else described["prefill_attention"] if chunk is not None else "torch-sdpa"
     if chunk is not None and kernels.chunk_attention is not chunk:

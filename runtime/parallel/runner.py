@@ -112,7 +112,7 @@ class RankGroup:
             raise
 
     def runner(self, model: Transformer, num_blocks: int, block_size: int, kernels, tuning=None,
-               kv_dtype: torch.dtype | None = None) -> TensorParallelRunner:
+               kv_dtype: torch.dtype | None = None, prompt_rows: str = "auto") -> TensorParallelRunner:
         """The KV cache's size and dtype to every rank (each allocates its own KV heads' cache), then the
         process group: the engine's runner."""
         try:
@@ -130,7 +130,7 @@ class RankGroup:
             threading.Thread(target=self._watch, args=(rank, proc), name=f"infer-tp-watch-{rank}", daemon=True).start()
         threading.Thread(target=self._heartbeat, name="infer-tp-heartbeat", daemon=True).start()
         model.logits = functools.partial(self._dense_logits, model)
-        runner = TensorParallelRunner(model, num_blocks, block_size, kernels, tuning, self, kv_dtype)
+        runner = TensorParallelRunner(model, num_blocks, block_size, kernels, tuning, self, kv_dtype, prompt_rows)
         runner.max_threads = self.threads
         return runner
 
@@ -312,8 +312,9 @@ def _reap(procs, store, grace: float = 2.0) -> None:
 class TensorParallelRunner(ModelRunner):
     """Rank 0's ModelRunner: each step's inputs go to every rank, then the same forward runs here."""
 
-    def __init__(self, model, num_blocks, block_size, kernels, tuning, group: RankGroup, kv_dtype=None):
-        super().__init__(model, num_blocks, block_size, kernels, tuning, kv_dtype=kv_dtype)
+    def __init__(self, model, num_blocks, block_size, kernels, tuning, group: RankGroup, kv_dtype=None,
+                 prompt_rows: str = "auto"):
+        super().__init__(model, num_blocks, block_size, kernels, tuning, kv_dtype=kv_dtype, prompt_rows=prompt_rows)
         self.group = group
 
     @property
