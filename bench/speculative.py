@@ -5,7 +5,8 @@ given text: where prompt lookup finds drafts) and ``chat`` (open questions: wher
 none, and must not slow decoding down). Each prompt runs alone (batch 1), greedy, to
 ``--max-tokens``; three engines take turns per round, the order alternating: no speculation, n-gram
 drafts of the adaptive length (at most K, runtime/engine/speculative.py's draft_length) and of K
-always. Reported per set and mode: tokens/s, the speed-up over no speculation, the mean tokens a
+always; with ``--draft DIR``, a fourth: a draft artifact's greedy tokens, adaptive k
+(runtime/engine/draft_model.py). Reported per set and mode: tokens/s, the speed-up over no speculation, the mean tokens a
 verifying step emits (acceptance length) and the share of drafted tokens accepted, and whether the
 outputs were identical. JSON to --json (default
 $TMPDIR/infer-bench/speculative.json), outside the tree.
@@ -43,31 +44,36 @@ def main(argv=None) -> None:
     p.add_argument("--verify-cost", type=float, default=0.4, help="the adaptive k's verify-row cost (C)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dtype", default=None)
+    p.add_argument("--draft", default=None, metavar="DIR", help="also a draft artifact's drafts (mode 'draft')")
     p.add_argument("--json", default=str(Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "infer-bench"
                                          / "speculative.json"))
     args = p.parse_args(argv)
 
-    def engine(mode: str):
-        return LLM(args.artifact, dtype=args.dtype, kv_cache_memory=512 << 20,
-                   speculative="off" if mode == "off" else "ngram", num_speculative_tokens=args.num_speculative_tokens,
-                   speculative_adaptive=mode == "adaptive", speculative_verify_cost=args.verify_cost)
+    modes = MODES + (("draft",) if args.draft else ())
 
-    engines = {mode: engine(mode) for mode in MODES}
+    def engine(mode: str):
+        method = {"off": "off", "draft": "draft"}.get(mode, "ngram")
+        return LLM(args.artifact, dtype=args.dtype, kv_cache_memory=512 << 20, speculative=method,
+                   num_speculative_tokens=args.num_speculative_tokens, speculative_adaptive=mode != "fixed",
+                   speculative_verify_cost=args.verify_cost, speculative_draft=args.draft if mode == "draft" else None)
+
+    engines = {mode: engine(mode) for mode in modes}
     tok = engines["off"].tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     for llm in engines.values():  # warm: first-use costs out of the figures
         llm.generate([tok.apply_chat_template([{"role": "user", "content": "Say hi. Say hi."}])], params)
     report = {"host": host_info(), "plan": engines["off"].engine.plan.describe(),
               "artifact": str(args.artifact), "max_tokens": args.max_tokens,
-              "num_speculative_tokens": args.num_speculative_tokens, "verify_cost": args.verify_cost, "sets": {}}
+              "num_speculative_tokens": args.num_speculative_tokens, "verify_cost": args.verify_cost,
+              "draft": args.draft, "sets": {}}
     keys = ("spec_steps", "spec_drafted", "spec_accepted", "spec_emitted")
     for name in SETS:
         prompts = [tok.apply_chat_template(m) for m in load_set(name)]
-        rates = {mode: [] for mode in MODES}
+        rates = {mode: [] for mode in modes}
         texts = {}
         stats0 = {mode: dict(llm.engine.stats) for mode, llm in engines.items()}
         for r in range(args.rounds):
-            for mode in (MODES if r % 2 == 0 else MODES[::-1]):  # the order alternates round to round
+            for mode in (modes if r % 2 == 0 else modes[::-1]):  # the order alternates round to round
                 llm, tokens, seconds, outs = engines[mode], 0, 0.0, []
                 for prompt in prompts:  # one at a time: batch 1
                     t0 = time.perf_counter()
@@ -80,7 +86,7 @@ def main(argv=None) -> None:
         off = statistics.median(rates["off"])
         row = {"prompts": len(prompts), "rounds": args.rounds, "tokens_per_s_off": round(off, 1),
                "rounds_off": [round(x, 1) for x in rates["off"]]}
-        for mode in MODES[1:]:
+        for mode in modes[1:]:
             s = {k: engines[mode].engine.stats[k] - stats0[mode][k] for k in keys}
             on = statistics.median(rates[mode])
             row[mode] = {"tokens_per_s": round(on, 1), "rounds": [round(x, 1) for x in rates[mode]],
@@ -92,7 +98,7 @@ def main(argv=None) -> None:
     print(f"{'set':>9} {'mode':>9} {'tok/s':>8} {'off tok/s':>10} {'speed-up':>9} {'accept len':>11} {'accepted':>9} "
           f"{'identical':>10}")
     for name, r in report["sets"].items():
-        for mode in MODES[1:]:
+        for mode in modes[1:]:
             m = r[mode]
             print(f"{name:>9} {mode:>9} {m['tokens_per_s']:>8} {r['tokens_per_s_off']:>10} {m['speedup']:>9} "
                   f"{m['acceptance_length']!s:>11} {m['accepted_share']!s:>9} {m['identical_outputs']:>5}/{r['prompts']}")

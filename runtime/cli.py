@@ -63,10 +63,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model, KV cache and sampler run: auto is cuda when torch sees a GPU, else cpu "
                         "(default auto)")
-    p.add_argument("--speculative", choices=["off", "ngram"], default="off",
-                   help="speculative decoding: ngram drafts from the prompt and output so far (prompt lookup), "
-                        "verified k at a time: greedy requests keep their tokens, sampled ones their distribution "
-                        "(default off)")
+    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
+                   help="speculative decoding: ngram drafts from the prompt and output so far (prompt lookup), draft "
+                        "from a draft artifact's greedy tokens (--speculative-draft), verified k at a time: greedy "
+                        "requests keep their tokens, sampled ones their distribution (default off)")
+    p.add_argument("--speculative-draft", default=None, metavar="DIR",
+                   help="with --speculative draft: the draft artifact, a smaller model built with the target's "
+                        "tokenizer, verified like the target")
+    p.add_argument("--speculative-draft-memory", type=str, default="256M", metavar="BYTES",
+                   help="the draft model's own KV cache (default 256M)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
                    help="the most draft tokens a step verifies with --speculative (default 4)")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
@@ -105,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def parse_bytes(text: str | None) -> int | None:
+def parse_bytes(text: str | None, flag: str = "--kv-cache-memory") -> int | None:
     if text is None:
         return None
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -113,7 +118,7 @@ def parse_bytes(text: str | None) -> int | None:
     try:
         return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
     except ValueError:
-        raise SystemExit(f"infer-run: error: --kv-cache-memory {text!r} is not a size such as 536870912, 512M or 4G")
+        raise SystemExit(f"infer-run: error: {flag} {text!r} is not a size such as 536870912, 512M or 4G")
 
 
 def engine_config(args: argparse.Namespace):
@@ -127,7 +132,9 @@ def engine_config(args: argparse.Namespace):
                         tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs,
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         speculative_adaptive=args.speculative_adaptive,
-                        speculative_verify_cost=args.speculative_verify_cost)
+                        speculative_verify_cost=args.speculative_verify_cost,
+                        speculative_draft=args.speculative_draft,
+                        speculative_draft_memory=parse_bytes(args.speculative_draft_memory, "--speculative-draft-memory"))
 
 
 def retune(args: argparse.Namespace, artifact) -> None:

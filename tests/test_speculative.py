@@ -234,3 +234,50 @@ def test_no_drafting_while_requests_wait(embedded_artifact):
     while engine.has_unfinished_requests():
         engine.step()
     assert drafted and not drafted_while_waiting
+
+
+def test_a_draft_artifact_drafts_and_the_target_keeps_its_greedy_tokens(embedded_artifact, tiny_artifact):
+    """speculative=draft: the same model as its own draft is accepted almost always; a 2-layer random model with
+    the same tokenizer rarely, and its drafts turn off; greedy tokens are the plain engine's either way, across
+    several requests whose drafts' caches are given back as they finish."""
+    from infer.runtime import LLM, SamplingParams
+
+    prompts = ["Count from one to twenty, in words.", "Repeat exactly: the cat sat on the mat, the cat sat."]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    plain = LLM(embedded_artifact, dtype="float32", kv_cache_memory=64 << 20)
+    ids = [plain.tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+    want = [o.token_ids for o in plain.generate(ids, params)]
+    for draft, least, most in ((embedded_artifact, 0.9, 1.0), (tiny_artifact, 0.0, 0.3)):
+        llm = LLM(embedded_artifact, dtype="float32", kv_cache_memory=64 << 20, speculative="draft",
+                  speculative_draft=str(draft), speculative_draft_memory=32 << 20)
+        got = [o.token_ids for o in llm.generate(ids, params)]
+        stats = llm.engine.stats
+        print(draft.name, stats)
+        assert got == want
+        assert stats["spec_drafted"] > 0 and least <= stats["spec_accepted"] / stats["spec_drafted"] <= most, stats
+        proposer = llm.engine.proposer
+        assert not proposer.mirrors and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+
+
+def test_a_draft_with_another_vocabulary_is_refused(embedded_artifact, tmp_path, cache_dir):
+    import json
+    import shutil
+
+    from infer.pipeline.build import build
+    from infer.pipeline.config import compose_recipe
+    from infer.runtime import LLM
+
+    src = tmp_path / "src"
+    shutil.copytree(embedded_artifact, src, ignore=shutil.ignore_patterns("manifest.json", "tuning.json"))
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = [w for w in vocab if w.isalpha() and len(w) > 4][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped: the same tokens, other ids
+    (src / "tokenizer.json").write_text(json.dumps(tok))
+    out = tmp_path / "other"
+    build(compose_recipe([f"model.source={src}", "artifact.name=other", f"output_dir={out}", f"cache_dir={cache_dir}",
+                          "tune.enabled=false"]))
+    with pytest.raises(ValueError, match="its tokenizer's vocabulary is not the target's"):
+        LLM(embedded_artifact, kv_cache_memory=64 << 20, speculative="draft", speculative_draft=str(out))
+    with pytest.raises(ValueError, match="speculative=draft needs a draft artifact"):
+        LLM(embedded_artifact, kv_cache_memory=64 << 20, speculative="draft")

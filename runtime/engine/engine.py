@@ -74,6 +74,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4  # the most a step drafts
     speculative_adaptive: bool = True  # k per step from the sequence's acceptance (speculative.draft_length)
     speculative_verify_cost: float = 0.4  # a verify row's cost in decode steps, which that choice weighs
+    # speculative=draft: the draft artifact (the target's tokenizer; runtime/engine/draft_model.py) and its KV cache
+    speculative_draft: str | None = None
+    speculative_draft_memory: int = 256 << 20
     # tenancy: tenants' weights and running caps, the per-step prompt budget (infer-run --tenants; None: one tenant)
     fairness: Fairness | None = None
 
@@ -248,7 +251,22 @@ class LLMEngine:
         self.mask_filler = MaskFiller()
         spec = SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens, adaptive=cfg.speculative_adaptive,
                                  verify_cost=cfg.speculative_verify_cost)
-        self.proposer = NgramProposer(spec) if spec.method == "ngram" else None
+        self.proposer = None
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec)
+        elif spec.method == "draft":
+            if not cfg.speculative_draft:
+                raise ValueError("speculative=draft needs a draft artifact: speculative_draft=DIR (infer-run "
+                                 "--speculative-draft DIR), a smaller model built with the target's tokenizer")
+            from .draft_model import DraftModelProposer
+
+            self.proposer = DraftModelProposer(spec, cfg.speculative_draft, self.artifact, self.model.dtype, lambda d, head_dim:
+                                               resolve(cfg.kernels, amx=cfg.amx, dtype=d, head_dim=head_dim,
+                                                       block_size=cfg.block_size, device=self.device),
+                                               cfg.block_size, cfg.speculative_draft_memory)
+        elif cfg.speculative_draft:
+            raise ValueError(f"speculative_draft={cfg.speculative_draft!r} is read with speculative=draft only "
+                             f"(speculative={cfg.speculative!r})")
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_emitted": 0}
 
@@ -387,6 +405,8 @@ class LLMEngine:
                 outputs.append(self._verify(seq, logits))
             except Exception as e:
                 outputs.append(self._fail(seq, f"verifying this request's draft failed: {_describe(e)}"))
+        if self.proposer is not None:  # a draft model's copies of sequences that stopped running, given back
+            self.proposer.keep_only(self.scheduler.running)
         t_end = time.perf_counter()
         self.scheduler.observe(t_end - t_start, prefill_tokens, decode_rows)
         self.step_records.append(StepRecord(
@@ -439,7 +459,7 @@ class LLMEngine:
         return outputs
 
     def _draft(self) -> None:
-        """Appends an n-gram draft to each running sequence about to decode, where the rule allows
+        """Appends a draft (n-gram, or a draft model's) to each running sequence about to decode, where the rule allows
         (runtime/engine/speculative.py): verified in this step's forward pass."""
         running = self.scheduler.running
         if len(running) + len(self.scheduler.waiting) > self.proposer.config.max_batch:

@@ -49,12 +49,12 @@ from typing import Callable
 
 import torch
 
-METHODS = ("off", "ngram")
+METHODS = ("off", "ngram", "draft")  # draft: a draft artifact's greedy tokens (runtime/engine/draft_model.py)
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "off"  # off | ngram
+    method: str = "off"  # off | ngram | draft
     num_tokens: int = 4  # draft tokens per step (k): a step emits up to k + 1
     ngram_max: int = 4
     ngram_min: int = 2
@@ -133,19 +133,31 @@ def eligible(seq) -> bool:
             and not p.logit_bias and p.allowed_token_ids is None and p.speculative)
 
 
+def draft_budget(state: SpecState, config: SpeculativeConfig, room: int) -> int:
+    """How many tokens a sequence drafts this step (0: none), by the rule above: none once its acceptance has
+    been judged too low (which turns it off for good), else ``draft_length``, at most ``room``."""
+    if state.off or room < 1:
+        return 0
+    if state.drafted >= config.probe_tokens and state.accepted < config.min_acceptance * state.drafted:
+        state.off = True
+        return 0
+    return min(draft_length(state, config), room)
+
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
 
+    def keep_only(self, running) -> None:
+        """Nothing to give back: n-gram drafts keep no state beyond the sequence's own."""
+
     def draft(self, seq, room: int) -> list[int]:
         """Appends a draft of at most ``room`` tokens to a decoding sequence; returns it."""
         c, state = self.config, seq.spec
-        if state.off or room < 1:
+        k = draft_budget(state, c, room)
+        if k < 1:
             return []
-        if state.drafted >= c.probe_tokens and state.accepted < c.min_acceptance * state.drafted:
-            state.off = True
-            return []
-        draft = propose_ngram(seq.token_ids, min(draft_length(state, c), room), c.ngram_max, c.ngram_min)
+        draft = propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
         if draft:
             state.draft = draft
             seq.token_ids.extend(draft)
