@@ -164,6 +164,10 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     }
     if quant_record is not None:
         manifest["quantize"] = quant_record  # the scheme and the calibration data's hashes
+    if cfg.speculative.method != "off":  # what infer-run serves with unless told otherwise
+        s = cfg.speculative
+        manifest["serving"] = {"speculative": {"method": s.method, "num_tokens": s.num_tokens,
+                                               "adaptive": s.adaptive, "verify_cost": s.verify_cost}}
     packaged = run_stage(cache, "package", {"v": STAGE_VERSIONS["package"], "format": FORMAT_VERSION,
                                             "checkpoint": checkpoint.key, "manifest": manifest},
                          lambda out: package(checkpoint.path, out, manifest))

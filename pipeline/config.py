@@ -127,6 +127,16 @@ class KVCacheSpec:
 
 
 @dataclass
+class SpeculativeSpec:
+    # the speculative decoding infer-run uses unless told otherwise (manifest serving.speculative; --speculative
+    # overrides it): off | ngram (prompt lookup; a draft artifact is named at run time, --speculative-draft DIR)
+    method: str = "off"
+    num_tokens: int = 4  # the most draft tokens a step verifies
+    adaptive: bool = True  # k per step from the sequence's acceptance (runtime/engine/speculative.py)
+    verify_cost: float = 0.4  # a verify row's cost in decode steps, which the adaptive k weighs
+
+
+@dataclass
 class ParallelSpec:
     tp: int = 1  # tensor-parallel ranks; > 1 adds the shard stage after quantize (pipeline/shard.py)
 
@@ -148,6 +158,7 @@ class BuildConfig:
     tune: TuneSpec = field(default_factory=TuneSpec)
     eval: EvalSpec = field(default_factory=EvalSpec)
     kv_cache: KVCacheSpec = field(default_factory=KVCacheSpec)
+    speculative: SpeculativeSpec = field(default_factory=SpeculativeSpec)
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     artifact: ArtifactSpec = field(default_factory=ArtifactSpec)
 
@@ -235,6 +246,14 @@ def _check(c: BuildConfig) -> None:
         bad("kv_cache.mean_kld_max", kv.mean_kld_max, "mean_kld_max >= 0 and top1_agreement_min a share in [0, 1]")
     if kv.dtype != "bfloat16" and c.parallel.tp > 1:
         bad("kv_cache.dtype", kv.dtype, "tensor-parallel runtimes allocate the model's own cache: use bfloat16")
+    s = c.speculative
+    if s.method not in ("off", "ngram"):
+        bad("speculative.method", s.method, "off or ngram (a draft artifact is named where it is served: infer-run "
+                                            "--speculative draft --speculative-draft DIR)")
+    if not 1 <= s.num_tokens <= 16:
+        bad("speculative.num_tokens", s.num_tokens, "draft tokens a step, in [1, 16]")
+    if not 0.0 < s.verify_cost <= 1.0:
+        bad("speculative.verify_cost", s.verify_cost, "a verify row's cost in decode steps, in (0, 1]")
     if any(b < 1 for b in c.tune.batch_buckets):
         bad("tune.batch_buckets", c.tune.batch_buckets, "batch sizes must be >= 1")
     if c.eval.seq_len < 2 or c.eval.stride < 1 or c.eval.stride > c.eval.seq_len:

@@ -132,6 +132,14 @@ class Artifact:
         kv = self.manifest.get("kv_cache")
         return kv.get("dtype") if isinstance(kv, dict) else None
 
+    @property
+    def speculative(self) -> dict:
+        """The speculative decoding the build stated (manifest ``serving.speculative``: method, num_tokens,
+        adaptive, verify_cost), or {} for none: the runtime's defaults."""
+        serving = self.manifest.get("serving")
+        spec = serving.get("speculative") if isinstance(serving, dict) else None
+        return spec if isinstance(spec, dict) else {}
+
     def weight_files(self) -> list[Path]:
         """The safetensors files the manifest lists, in name order: the only weights the runtime
         opens (an index can name no other, verify_artifact checks)."""

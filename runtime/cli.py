@@ -63,23 +63,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model, KV cache and sampler run: auto is cuda when torch sees a GPU, else cpu "
                         "(default auto)")
-    p.add_argument("--speculative", choices=["off", "ngram", "draft"], default="off",
+    p.add_argument("--speculative", choices=["auto", "off", "ngram", "draft"], default="auto",
                    help="speculative decoding: ngram drafts from the prompt and output so far (prompt lookup), draft "
                         "from a draft artifact's greedy tokens (--speculative-draft), verified k at a time: greedy "
-                        "requests keep their tokens, sampled ones their distribution (default off)")
+                        "requests keep their tokens, sampled ones their distribution; auto: what the artifact's "
+                        "build stated (recipe speculative.*), else off (default auto)")
     p.add_argument("--speculative-draft", default=None, metavar="DIR",
                    help="with --speculative draft: the draft artifact, a smaller model built with the target's "
                         "tokenizer, verified like the target")
     p.add_argument("--speculative-draft-memory", type=str, default="256M", metavar="BYTES",
                    help="the draft model's own KV cache (default 256M)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, metavar="K",
-                   help="the most draft tokens a step verifies with --speculative (default 4)")
-    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="the most draft tokens a step verifies with --speculative (default: the artifact's, else 4)")
+    p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft per step the k (up to K) that the sequence's acceptance so far makes pay best; "
-                        "--no-speculative-adaptive always drafts K (default on)")
-    p.add_argument("--speculative-verify-cost", type=float, default=0.4, metavar="C",
-                   help="a verify row's cost in decode steps, which the adaptive k weighs (default 0.4, measured "
-                        "on an AVX2 host; lower where linears are memory-bound)")
+                        "--no-speculative-adaptive always drafts K (default: the artifact's, else on)")
+    p.add_argument("--speculative-verify-cost", type=float, default=None, metavar="C",
+                   help="a verify row's cost in decode steps, which the adaptive k weighs (default: the artifact's, "
+                        "else 0.4, measured on an AVX2 host; lower where linears are memory-bound)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on cuda with the triton kernels, replay decode steps as a CUDA graph per batch bucket, "
                         "captured at load; --no-cuda-graphs runs every step eagerly (default on)")

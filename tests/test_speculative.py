@@ -281,3 +281,30 @@ def test_a_draft_with_another_vocabulary_is_refused(embedded_artifact, tmp_path,
         LLM(embedded_artifact, kv_cache_memory=64 << 20, speculative="draft", speculative_draft=str(out))
     with pytest.raises(ValueError, match="speculative=draft needs a draft artifact"):
         LLM(embedded_artifact, kv_cache_memory=64 << 20, speculative="draft")
+
+
+def test_the_recipe_states_the_speculation_infer_run_serves_with(embedded_artifact, tmp_path, cache_dir):
+    """speculative.* recipe keys: the manifest's serving.speculative, which the engine follows unless told
+    otherwise, key by key; a draft artifact is refused as a recipe key (it is named where it is served)."""
+    import json
+
+    from infer.pipeline.build import build
+    from infer.pipeline.config import RecipeError, compose_recipe
+    from infer.runtime import LLM
+
+    out = tmp_path / "ngram"
+    build(compose_recipe([f"output_dir={out}", f"cache_dir={cache_dir}", "tune.enabled=false",
+                          "speculative.method=ngram", "speculative.num_tokens=3"]))
+    stated = json.loads((out / "manifest.json").read_text())["serving"]["speculative"]
+    assert stated == {"method": "ngram", "num_tokens": 3, "adaptive": True, "verify_cost": 0.4}
+    config = LLM(out, kv_cache_memory=16 << 20).engine.proposer.config
+    assert (config.method, config.num_tokens, config.adaptive) == ("ngram", 3, True)
+    config = LLM(out, kv_cache_memory=16 << 20, num_speculative_tokens=2, speculative_adaptive=False).engine.proposer.config
+    assert (config.num_tokens, config.adaptive) == (2, False)
+    assert LLM(out, kv_cache_memory=16 << 20, speculative="off").engine.proposer is None
+    assert LLM(embedded_artifact, kv_cache_memory=16 << 20).engine.proposer is None  # states none: off
+    assert "serving" not in json.loads((embedded_artifact / "manifest.json").read_text())
+    with pytest.raises(RecipeError, match="speculative.method.*--speculative-draft DIR"):
+        compose_recipe(["speculative.method=draft"])
+    with pytest.raises(RecipeError, match="speculative.num_tokens"):
+        compose_recipe(["speculative.num_tokens=0"])

@@ -69,11 +69,13 @@ class EngineConfig:
     device: str = "auto"
     # on cuda with the triton kernels: decode steps replay a CUDA graph per batch bucket (False: eager)
     cuda_graphs: bool = True
-    # speculative decoding: off | ngram (prompt lookup; runtime/engine/speculative.py), k tokens a step
-    speculative: str = "off"
-    num_speculative_tokens: int = 4  # the most a step drafts
-    speculative_adaptive: bool = True  # k per step from the sequence's acceptance (speculative.draft_length)
-    speculative_verify_cost: float = 0.4  # a verify row's cost in decode steps, which that choice weighs
+    # speculative decoding: auto (the artifact's manifest serving.speculative, else off) | off | ngram (prompt
+    # lookup; runtime/engine/speculative.py) | draft (a draft artifact: speculative_draft); k tokens a step. The
+    # three below: None takes the artifact's value, else the default in the comment
+    speculative: str = "auto"
+    num_speculative_tokens: int | None = None  # the most a step drafts (4)
+    speculative_adaptive: bool | None = None  # k per step from the sequence's acceptance (speculative.draft_length; True)
+    speculative_verify_cost: float | None = None  # a verify row's cost in decode steps, which that choice weighs (0.4)
     # speculative=draft: the draft artifact (the target's tokenizer; runtime/engine/draft_model.py) and its KV cache
     speculative_draft: str | None = None
     speculative_draft_memory: int = 256 << 20
@@ -249,8 +251,15 @@ class LLMEngine:
         self.grammars = Grammars(self.artifact.path / TOKENIZER, self.model.config.vocab_size,
                                  sorted(self.eos_token_ids))
         self.mask_filler = MaskFiller()
-        spec = SpeculativeConfig(cfg.speculative, cfg.num_speculative_tokens, adaptive=cfg.speculative_adaptive,
-                                 verify_cost=cfg.speculative_verify_cost)
+        stated = self.artifact.speculative  # what the build stated; each setting given here wins
+
+        def given(value, key, default):
+            return stated.get(key, default) if value is None else value
+
+        spec = SpeculativeConfig(given(None if cfg.speculative == "auto" else cfg.speculative, "method", "off"),
+                                 given(cfg.num_speculative_tokens, "num_tokens", 4),
+                                 adaptive=given(cfg.speculative_adaptive, "adaptive", True),
+                                 verify_cost=given(cfg.speculative_verify_cost, "verify_cost", 0.4))
         self.proposer = None
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec)
@@ -266,7 +275,7 @@ class LLMEngine:
                                                cfg.block_size, cfg.speculative_draft_memory)
         elif cfg.speculative_draft:
             raise ValueError(f"speculative_draft={cfg.speculative_draft!r} is read with speculative=draft only "
-                             f"(speculative={cfg.speculative!r})")
+                             f"(speculative={spec.method!r})")
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "steps": 0,
                       "spec_steps": 0, "spec_drafted": 0, "spec_accepted": 0, "spec_emitted": 0}
 
