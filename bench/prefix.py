@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
                            SamplingParams(max_tokens=1))
         _finish(engine)
     result = {"benchmark": "shared_prefix_ttft", "requests": args.requests, "prefix_tokens": args.prefix_tokens,
-              "dtype": args.dtype, "threads": args.threads, "bursts": args.bursts}
+              "dtype": args.dtype, "threads": args.threads, "bursts": args.bursts, "plan": engines[True].plan.describe()}
     runs = {"sequential": sequential_ttft(engines, make_prompts(args.requests, args.prefix_tokens, vocab, args.seed)),
             "burst": burst_ttft(engines, [make_prompts(args.requests - 1, args.prefix_tokens, vocab, args.seed + 1 + b)
                                           for b in range(args.bursts)])}

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from torch.profiler import ProfilerActivity, profile, record_function
+
+from infer.runtime.engine.plan import LAYER_LOOP
 
 from .throughput import RESULTS, default_artifact, make_requests, save_json
 
@@ -60,7 +63,9 @@ def main(argv=None) -> dict:
             return kernel(*a)
 
     engine.runner.execute, engine_mod.sample = labelled_execute, labelled_sample
-    fused_step, engine.model.fused_step = engine.model.fused_step, None
+    plan = engine.runner.plan  # the layer loop, so that the profiler sees each kernel (the plan printed says so)
+    profiled = engine.runner.plan = replace(plan, step=LAYER_LOOP,
+                                            step_why="profiled: the one-call step would hide the breakdown")
     if kernel is not None:
         engine.runner.decode_kernel = labelled_kernel
     # the fused norm/rotary/SiLU kernels and the AMX and AVX-512 BF16 matmuls are pybind calls the
@@ -77,7 +82,7 @@ def main(argv=None) -> dict:
             engine.step()
     wall = (time.perf_counter() - start) / args.steps
     engine.runner.execute, engine_mod.sample, engine.runner.decode_kernel = execute, sample, kernel
-    engine.model.fused_step = fused_step
+    engine.runner.plan = plan
     for m in fused:
         m.ops = m.ops.module
     for m in packed:
@@ -99,7 +104,9 @@ def main(argv=None) -> dict:
     print(f"decode step at batch {args.batch} ({args.dtype}): {wall * 1e3:.1f} ms = {args.batch / wall:.0f} tok/s")
     for name, seconds in buckets.items():
         print(f"  {name:<22} {seconds * 1e3:7.1f} ms  {100 * seconds / wall:5.1f}%")
-    result = {"benchmark": "decode_step_profile", "batch": args.batch, "dtype": args.dtype, "step_s": wall,
+    result = {"benchmark": "decode_step_profile", "batch": args.batch, "dtype": args.dtype,
+              "plan": profiled.describe(),
+              "step_s": wall,
               "tokens_per_s": args.batch / wall, "buckets_s": buckets}
     save_json(result, args.json)
     return result

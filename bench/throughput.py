@@ -112,7 +112,8 @@ def run_engine(artifact: Path, reqs, temperature: float, **engine_args) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     assert tokens == sum(o for _, o in reqs)
     return {"seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "steps": llm.engine.stats["steps"], "preemptions": llm.engine.scheduler.num_preemptions}
+            "steps": llm.engine.stats["steps"], "preemptions": llm.engine.scheduler.num_preemptions,
+            "plan": llm.engine.plan.describe()}
 
 
 def run_transformers(artifact: Path, reqs, temperature: float, dtype: torch.dtype, batch: int = 8) -> dict:
@@ -160,7 +161,7 @@ def main(argv=None) -> dict:
           f"{engine['tokens_per_s']:.1f} tok/s ({engine['steps']} steps)")
     result = {"benchmark": "offline_throughput", "requests": args.requests, "dtype": args.dtype,
               "temperature": args.temperature, "threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "engine": engine}
+              "machine": platform.processor() or platform.machine(), "engine": engine, "plan": engine.pop("plan")}
     if not args.skip_transformers:
         hf = run_transformers(artifact, reqs, args.temperature, getattr(torch, args.dtype))
         print(f"transformers : {hf['output_tokens']} tokens in {hf['seconds']:.1f}s = {hf['tokens_per_s']:.1f} tok/s "

@@ -76,6 +76,7 @@ def measure(artifact: Path, dtype: str, requests, batches: list[int], steps: int
     with LLM(artifact, dtype=dtype, kv_cache_memory=512 << 20, max_num_seqs=max(16, max(batches))) as llm:
         engine = llm.engine
         out["load_s"] = round(time.perf_counter() - t0, 2)
+        out["plan"] = engine.plan.describe()
         out["threads"] = torch.get_num_threads()
         # offline throughput: the fixed request set, greedy, every request its full length
         prompts = [p for p, _ in requests]
