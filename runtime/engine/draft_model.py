@@ -5,7 +5,7 @@ requests keep their tokens, sampled ones their distribution (a greedy draft puts
 position, which is what ``sampled_prefix`` assumes). The draft model keeps, per drafting sequence, a mirror of
 the sequence in its own paged cache: each step it first computes the tokens it has not seen (the prompt at
 first; then what the target kept of its last draft and the target's own token), then drafts k tokens, one
-decode step each. What the target rejected is never computed again: the mirror's computed length goes back to
+decode step each, the mirrors of every drafting sequence stepped together (one batch a draft token). What the target rejected is never computed again: the mirror's computed length goes back to
 the tokens both share, and their slots are overwritten. A sequence that stops running (finished, aborted,
 preempted) gives its mirror's blocks back.
 
@@ -72,30 +72,43 @@ class DraftModelProposer:
         for seq_id in [s for s in self.mirrors if s not in live]:
             self.blocks.free_sequence(self.mirrors.pop(seq_id))
 
-    def draft(self, seq: Sequence, room: int) -> list[int]:
-        """Appends a draft of at most ``room`` tokens to a decoding sequence; returns it."""
-        k = draft_budget(seq.spec, self.config, room)
-        if k < 1 or len(seq) + k > self.max_len:
-            return []
-        mirror = self._mirror(seq)
-        draft = []
+    def draft_many(self, wanted: list[tuple[Sequence, int]]) -> None:
+        """Appends to each (sequence, room) of ``wanted`` a draft of at most ``room`` tokens (and the rule's k):
+        the draft model steps all of their copies together, k decode steps for the longest draft."""
+        jobs = []  # [sequence, its copy, its k, its draft so far]
+        for seq, room in wanted:
+            k = draft_budget(seq.spec, self.config, room)
+            if k >= 1 and len(seq) + k <= self.max_len:
+                jobs.append((seq, self._mirror(seq), k, []))
+        drafting = list(jobs)
         with torch.inference_mode():
-            for _ in range(k):
-                new = len(mirror) - mirror.num_computed_tokens
-                if not self.blocks.can_allocate(mirror, new):
-                    break  # the draft cache is full: draft what there is
-                self.blocks.allocate(mirror, new)
-                logits = self.runner.execute(ScheduledBatch([mirror], [new], [])).logits
-                mirror.num_computed_tokens = len(mirror)
-                token = int(logits[-1].argmax())
-                if token >= self.vocab:  # a padded row of the draft's embedding: no token of the target's
+            while jobs:
+                batch = []
+                for job in jobs:
+                    mirror = job[1]
+                    new = len(mirror) - mirror.num_computed_tokens
+                    if self.blocks.can_allocate(mirror, new):  # else the draft cache is full: it drafts what it has
+                        self.blocks.allocate(mirror, new)
+                        batch.append((job, new))
+                if not batch:
                     break
-                mirror.token_ids.append(token)
-                draft.append(token)
-        if draft:
-            seq.spec.draft = draft
-            seq.token_ids.extend(draft)
-        return draft
+                logits = self.runner.execute(ScheduledBatch([j[1] for j, _ in batch], [n for _, n in batch], [])).logits
+                going = []
+                for (job, _), row in zip(batch, logits):
+                    seq, mirror, k, draft = job
+                    mirror.num_computed_tokens = len(mirror)
+                    token = int(row.argmax())
+                    if token >= self.vocab:  # a padded row of the draft's embedding: no token of the target's
+                        continue
+                    mirror.token_ids.append(token)
+                    draft.append(token)
+                    if len(draft) < k:
+                        going.append(job)
+                jobs = going
+        for seq, _, _, draft in drafting:
+            if draft:
+                seq.spec.draft = draft
+                seq.token_ids.extend(draft)
 
     def _mirror(self, seq: Sequence) -> Sequence:
         """The draft model's copy of ``seq``, its tokens now the target's and its computed length no longer than

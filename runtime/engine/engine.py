@@ -473,11 +473,9 @@ class LLMEngine:
         running = self.scheduler.running
         if len(running) + len(self.scheduler.waiting) > self.proposer.config.max_batch:
             return  # a loaded engine: requests waiting are work that verify rows would only delay
-        for seq in running:
-            if seq.num_uncomputed_tokens != 1 or not eligible(seq):
-                continue
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_request_tokens - len(seq) - 1)
-            self.proposer.draft(seq, room)
+        self.proposer.draft_many([(seq, min(seq.params.max_tokens - seq.num_output_tokens,
+                                            self.max_request_tokens - len(seq) - 1))
+                                  for seq in running if seq.num_uncomputed_tokens == 1 and eligible(seq)])
 
     def _verify(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
         """Accepts a sequence's draft (greedily, or by speculative sampling: the sampler's verify_draft):

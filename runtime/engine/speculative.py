@@ -151,6 +151,11 @@ class NgramProposer:
     def keep_only(self, running) -> None:
         """Nothing to give back: n-gram drafts keep no state beyond the sequence's own."""
 
+    def draft_many(self, wanted: list) -> None:
+        """Drafts for each (sequence, room) of ``wanted`` (``draft``, one after another)."""
+        for seq, room in wanted:
+            self.draft(seq, room)
+
     def draft(self, seq, room: int) -> list[int]:
         """Appends a draft of at most ``room`` tokens to a decoding sequence; returns it."""
         c, state = self.config, seq.spec
