@@ -37,10 +37,10 @@ log = logging.getLogger("infer.engine")
 
 class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, draft: str | Path, target: Artifact, dtype: torch.dtype | None,
-                 kernels, block_size: int, kv_cache_memory: int):
+                 kernels, block_size: int, kv_cache_memory: int, device: torch.device | str = "cpu"):
         """``draft``: the draft artifact's directory; ``target``: the target's verified artifact; ``kernels``: a
         function of (dtype, head_dim) giving the KernelSet (the target's resolver settings); ``kv_cache_memory``:
-        bytes of the draft model's own cache."""
+        bytes of the draft model's own cache; ``device``: the target's, where the draft model runs too."""
         from ..model import ModelConfig, load_model
 
         self.config = config
@@ -52,7 +52,7 @@ class DraftModelProposer:
                              f"built from a model of the target's family with the same tokenizer")
         mcfg = ModelConfig.from_hf(self.artifact.config)
         self.model = load_model(self.artifact.path, dtype, lambda d: kernels(d, mcfg.head_dim),
-                                hf_config=self.artifact.config, files=self.artifact.weight_files())
+                                hf_config=self.artifact.config, files=self.artifact.weight_files(), device=device)
         per_block = kv_bytes_per_block(self.model, block_size, self.model.dtype)
         blocks = kv_cache_memory // per_block
         if blocks < 2:

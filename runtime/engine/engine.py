@@ -272,7 +272,7 @@ class LLMEngine:
             self.proposer = DraftModelProposer(spec, cfg.speculative_draft, self.artifact, self.model.dtype, lambda d, head_dim:
                                                resolve(cfg.kernels, amx=cfg.amx, dtype=d, head_dim=head_dim,
                                                        block_size=cfg.block_size, device=self.device),
-                                               cfg.block_size, cfg.speculative_draft_memory)
+                                               cfg.block_size, cfg.speculative_draft_memory, self.device)
         elif cfg.speculative_draft:
             raise ValueError(f"speculative_draft={cfg.speculative_draft!r} is read with speculative=draft only "
                              f"(speculative={spec.method!r})")
