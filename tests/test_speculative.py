@@ -308,3 +308,17 @@ def test_the_recipe_states_the_speculation_infer_run_serves_with(embedded_artifa
         compose_recipe(["speculative.method=draft"])
     with pytest.raises(RecipeError, match="speculative.num_tokens"):
         compose_recipe(["speculative.num_tokens=0"])
+
+
+def test_infer_run_flags_reach_the_engine_config():
+    """--speculative draft with its artifact and cache size; the settings left unset stay None (the artifact's)."""
+    from infer.runtime.cli import engine_config, parse_args
+
+    cfg = engine_config(parse_args(["ART", "--speculative", "draft", "--speculative-draft", "/d",
+                                    "--speculative-draft-memory", "64M", "--num-speculative-tokens", "3"]))
+    assert (cfg.speculative, cfg.speculative_draft, cfg.speculative_draft_memory, cfg.num_speculative_tokens) == \
+        ("draft", "/d", 64 << 20, 3)
+    assert (cfg.speculative_adaptive, cfg.speculative_verify_cost) == (None, None)
+    assert engine_config(parse_args(["ART"])).speculative == "auto"
+    with pytest.raises(SystemExit, match="--speculative-draft-memory 'lots' is not a size"):
+        engine_config(parse_args(["ART", "--speculative-draft-memory", "lots"]))
