@@ -8,6 +8,7 @@ import sys
 from infer.kernels.resolver import BACKENDS, DEVICES
 
 from .artifact import MANIFEST, ArtifactError, verify_artifact
+from .engine.speculative import METHODS as SPECULATIVE_METHODS
 
 
 def _at_least(minimum: int, maximum: int | None = None):
@@ -63,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="where the model, KV cache and sampler run: auto is cuda when torch sees a GPU, else cpu "
                         "(default auto)")
-    p.add_argument("--speculative", choices=["auto", "off", "ngram", "draft"], default="auto",
+    p.add_argument("--speculative", choices=["auto", *SPECULATIVE_METHODS], default="auto",
                    help="speculative decoding: ngram drafts from the prompt and output so far (prompt lookup), draft "
                         "from a draft artifact's greedy tokens (--speculative-draft), verified k at a time: greedy "
                         "requests keep their tokens, sampled ones their distribution; auto: what the artifact's "
