@@ -224,7 +224,7 @@ def prefill_and_floor(path: Path, prompt_tokens: int) -> dict:
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         rates.append(prompt_tokens / (time.perf_counter() - start))
     return {"prefill_tok_s": round(sorted(rates[1:])[1], 1), "dtype": dtype,
-            "floor_tok_s": round(read_bandwidth() / weight_bytes(path, dtype), 1)}
+            "floor_tok_s": round(read_bandwidth() / weight_bytes(path, dtype), 1), "plan": llm.engine.plan.describe()}
 
 
 def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = None) -> dict:
