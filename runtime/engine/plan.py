@@ -23,13 +23,14 @@ attention from the plan's kernels, ``StepInputs.one_call`` carries the step's pa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-import logging
-
 import torch
 from torch import nn
+
+from infer.kernels import isa
 
 log = logging.getLogger("infer.engine")
 
@@ -53,7 +54,6 @@ class Plan:
     decode_attention: str  # cpp | triton | torch-sdpa
     prefill_attention: str  # prompt chunks: the chunk kernel (amx | avx512bf16 | avx512 | avx2) or torch-sdpa;
     # "decode" where prompt rows are decode rows
-    sdpa_decode_batches: tuple[int, ...] = ()  # decode batch buckets the tuning table runs on SDPA
     # the callables each step's attention reads (None: that part runs gather + SDPA or index_copy_)
     decode_kernel: Callable | None = field(default=None, repr=False, compare=False)
     store_kv: Callable | None = field(default=None, repr=False, compare=False)
@@ -79,19 +79,21 @@ class Plan:
         decode = None
         if decode_rows:
             decode = self.decode_attention if self.decode_on_kernel(decode_rows) else "torch-sdpa"
-        chunk = self.prefill_attention if chunks else None
-        if self.step == ONE_CALL and decode in (None, "cpp") and chunk in (None, *_IN_PLACE):
+        chunk = self.prefill_attention if chunks else None  # a chunk kernel is named by its CPU class (or amx)
+        if self.step == ONE_CALL and decode in (None, "cpp") and chunk in (None, *isa.CLASSES):
             return (ONE_CALL,)
         return tuple(p for p in (f"chunks:{chunk}" if chunk else None, f"decode:{decode}" if decode else None) if p)
 
     def describe(self) -> dict:
         """What runs each piece, as the load log, /version and the benchmarks' JSON print it."""
-        d = {"backend": self.backend, "amx": self.amx, "cpu_class": self.cpu_class, "device": self.device, "dtype": self.dtype,
-             "kv_cache": self.kv_cache, "step": self.step, "step_why": self.step_why, "layer_ops": self.layer_ops,
+        d = {"backend": self.backend, "amx": self.amx, "cpu_class": self.cpu_class, "device": self.device,
+             "dtype": self.dtype, "kv_cache": self.kv_cache, "step": self.step, "step_why": self.step_why, "layer_ops": self.layer_ops,
              "decode_attention": self.decode_attention, "prompt_rows": self.prompt_rows,
              "prefill_attention": self.prefill_attention, "verify_rows": "decode-rows", "linears": self.linears}
-        if self.sdpa_decode_batches:
-            d["sdpa_decode_batches"] = list(self.sdpa_decode_batches)
+        if self.tuning is not None and self.decode_kernel is not None:  # the buckets the table runs on SDPA
+            sdpa = [b for b in self.tuning.buckets if not self.decode_on_kernel(b)]
+            if sdpa:
+                d["sdpa_decode_batches"] = sdpa
         return d
 
 
@@ -132,9 +134,6 @@ def kv_cache_dtype(requested: str, artifact: str | None, model_dtype: torch.dtyp
     raise ValueError(f"kv_cache_dtype=int8: {why}; use kv_cache_dtype={str(model_dtype).removeprefix('torch.')}")
 
 
-_IN_PLACE = ("amx", "avx512bf16", "avx512", "avx2")  # the chunk kernels (kernels/bf16_attention.py's classes, AMX's)
-
-
 PROMPT_ROWS = ("auto", "decode-rows")
 
 
@@ -148,19 +147,15 @@ def make_plan(model, kernels, kv_dtype: torch.dtype, tuning=None, prompt_rows: s
     cfg = model.config
     described = kernels.describe(model.dtype)
     window, _ = sliding_window(cfg)
-    quantized = kv_dtype == torch.int8
-    decode_rows = quantized or window is not None or prompt_rows == "decode-rows"
+    decode_rows = kv_dtype == torch.int8 or window is not None or prompt_rows == "decode-rows"
     chunk = None if decode_rows or cfg.attn_softcap else kernels.prefill_attention
     prefill = "decode" if decode_rows else described["prefill_attention"] if chunk is not None else "torch-sdpa"
     if chunk is not None and kernels.chunk_attention is not chunk:
         raise AssertionError("the resolver gives chunks after cached tokens and fresh ones one kernel")  # resolver.py
-    sdpa = ()
-    if tuning is not None and not quantized and kernels.decode_attention is not None:
-        sdpa = tuple(b for b in tuning.buckets if tuning.decode_attention(b) == "torch-sdpa")
     step = ONE_CALL if model.fused_step is not None else LAYER_LOOP
     return Plan(kernels.backend, kernels.amx, described["isa"], str(model.device), _name(model.dtype), _name(kv_dtype),
                 described["layer_ops"], linear_kernels(model), step, model.step_path,
-                "decode-rows" if decode_rows else "chunks", described["decode_attention"], prefill, sdpa,
+                "decode-rows" if decode_rows else "chunks", described["decode_attention"], prefill,
                 kernels.decode_attention, kernels.store_kv, chunk, tuning)
 
 
