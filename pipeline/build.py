@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from infer.runtime.artifact import CONFIG, FORMAT_VERSION
@@ -165,9 +165,7 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
     if quant_record is not None:
         manifest["quantize"] = quant_record  # the scheme and the calibration data's hashes
     if cfg.speculative.method != "off":  # what infer-run serves with unless told otherwise
-        s = cfg.speculative
-        manifest["serving"] = {"speculative": {"method": s.method, "num_tokens": s.num_tokens,
-                                               "adaptive": s.adaptive, "verify_cost": s.verify_cost}}
+        manifest["serving"] = {"speculative": asdict(cfg.speculative)}
     packaged = run_stage(cache, "package", {"v": STAGE_VERSIONS["package"], "format": FORMAT_VERSION,
                                             "checkpoint": checkpoint.key, "manifest": manifest},
                          lambda out: package(checkpoint.path, out, manifest))

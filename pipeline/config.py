@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from infer.eval.settings import EvalSettings
+from infer.runtime.engine.speculative import MAX_NUM_TOKENS, SpeculativeConfig
 
 
 class RecipeError(ValueError):
@@ -131,9 +132,10 @@ class SpeculativeSpec:
     # the speculative decoding infer-run uses unless told otherwise (manifest serving.speculative; --speculative
     # overrides it): off | ngram (prompt lookup; a draft artifact is named at run time, --speculative-draft DIR)
     method: str = "off"
-    num_tokens: int = 4  # the most draft tokens a step verifies
-    adaptive: bool = True  # k per step from the sequence's acceptance (runtime/engine/speculative.py)
-    verify_cost: float = 0.4  # a verify row's cost in decode steps, which the adaptive k weighs
+    # the runtime's defaults (runtime/engine/speculative.py SpeculativeConfig)
+    num_tokens: int = SpeculativeConfig.num_tokens  # the most draft tokens a step verifies
+    adaptive: bool = SpeculativeConfig.adaptive  # k per step from the sequence's acceptance
+    verify_cost: float = SpeculativeConfig.verify_cost  # a verify row's cost in decode steps, which the adaptive k weighs
 
 
 @dataclass
@@ -250,8 +252,8 @@ def _check(c: BuildConfig) -> None:
     if s.method not in ("off", "ngram"):
         bad("speculative.method", s.method, "off or ngram (a draft artifact is named where it is served: infer-run "
                                             "--speculative draft --speculative-draft DIR)")
-    if not 1 <= s.num_tokens <= 16:
-        bad("speculative.num_tokens", s.num_tokens, "draft tokens a step, in [1, 16]")
+    if not 1 <= s.num_tokens <= MAX_NUM_TOKENS:
+        bad("speculative.num_tokens", s.num_tokens, f"draft tokens a step, in [1, {MAX_NUM_TOKENS}]")
     if not 0.0 < s.verify_cost <= 1.0:
         bad("speculative.verify_cost", s.verify_cost, "a verify row's cost in decode steps, in (0, 1]")
     if any(b < 1 for b in c.tune.batch_buckets):

@@ -251,15 +251,13 @@ class LLMEngine:
         self.grammars = Grammars(self.artifact.path / TOKENIZER, self.model.config.vocab_size,
                                  sorted(self.eos_token_ids))
         self.mask_filler = MaskFiller()
-        stated = self.artifact.speculative  # what the build stated; each setting given here wins
-
-        def given(value, key, default):
-            return stated.get(key, default) if value is None else value
-
-        spec = SpeculativeConfig(given(None if cfg.speculative == "auto" else cfg.speculative, "method", "off"),
-                                 given(cfg.num_speculative_tokens, "num_tokens", 4),
-                                 adaptive=given(cfg.speculative_adaptive, "adaptive", True),
-                                 verify_cost=given(cfg.speculative_verify_cost, "verify_cost", 0.4))
+        # each setting given here wins over what the build stated; what neither says is SpeculativeConfig's default
+        given = {"method": None if cfg.speculative == "auto" else cfg.speculative,
+                 "num_tokens": cfg.num_speculative_tokens, "adaptive": cfg.speculative_adaptive,
+                 "verify_cost": cfg.speculative_verify_cost}
+        settings = {k: v for k, v in self.artifact.speculative.items() if k in given}
+        settings.update((k, v) for k, v in given.items() if v is not None)
+        spec = SpeculativeConfig(**settings)
         self.proposer = None
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec)

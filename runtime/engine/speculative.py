@@ -50,6 +50,7 @@ from typing import Callable
 import torch
 
 METHODS = ("off", "ngram", "draft")  # draft: a draft artifact's greedy tokens (runtime/engine/draft_model.py)
+MAX_NUM_TOKENS = 16  # the most draft tokens a step may verify
 
 
 @dataclass
@@ -70,8 +71,8 @@ class SpeculativeConfig:
     def __post_init__(self):
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r}: choose one of {', '.join(METHODS)}")
-        if not 1 <= self.num_tokens <= 16:
-            raise ValueError(f"num_speculative_tokens={self.num_tokens}: must be in [1, 16]")
+        if not 1 <= self.num_tokens <= MAX_NUM_TOKENS:
+            raise ValueError(f"num_speculative_tokens={self.num_tokens}: must be in [1, {MAX_NUM_TOKENS}]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes [{self.ngram_min}, {self.ngram_max}]: need 1 <= min <= max")
         if not 0 < self.verify_cost <= 1:
