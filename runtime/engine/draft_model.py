@@ -5,13 +5,14 @@ requests keep their tokens, sampled ones their distribution (a greedy draft puts
 position, which is what ``sampled_prefix`` assumes). The draft model keeps, per drafting sequence, a mirror of
 the sequence in its own paged cache: each step it first computes the tokens it has not seen (the prompt at
 first; then what the target kept of its last draft and the target's own token), then drafts k tokens, one
-decode step each, the mirrors of every drafting sequence stepped together (one batch a draft token). What the target rejected is never computed again: the mirror's computed length goes back to
-the tokens both share, and their slots are overwritten. A sequence that stops running (finished, aborted,
-preempted) gives its mirror's blocks back.
+decode step each, the mirrors of every drafting sequence stepped together (one batch a draft token). What
+the target rejected is never computed again: the mirror's computed length goes back to the tokens both
+share, and their slots are overwritten. A sequence that stops running (finished, aborted, preempted) gives
+its mirror's blocks back.
 
 The draft artifact is verified like any artifact, and its tokenizer must be the target's (the same
-vocabulary, added tokens included): a draft's token ids mean nothing to a target with another vocabulary. It runs
-in the target's dtype on the same kernels. What it costs: k draft forward passes a verifying step, each a
+vocabulary, added tokens included): a draft's token ids mean nothing to a target with another vocabulary.
+It runs in the target's dtype on the same kernels. What it costs: k draft forward passes a verifying step, each a
 small model's decode step; it pays where the draft model is several times cheaper than the target and agrees
 with it often (the adaptive k weighs the acceptance as for n-gram drafts).
 """
