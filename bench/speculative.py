@@ -40,8 +40,9 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="infer-bench speculative", description=__doc__.splitlines()[0])
     p.add_argument("artifact")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
-    p.add_argument("--verify-cost", type=float, default=0.4, help="the adaptive k's verify-row cost (C)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="K (default: the engine's)")
+    p.add_argument("--verify-cost", type=float, default=None,
+                   help="the adaptive k's verify-row cost c (default: measured by each engine from its own steps)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--dtype", default=None)
     p.add_argument("--draft", default=None, metavar="DIR", help="also a draft artifact's drafts (mode 'draft')")
@@ -93,15 +94,16 @@ def main(argv=None) -> None:
                          "speedup": round(on / off, 3),
                          "acceptance_length": round(s["spec_emitted"] / s["spec_steps"], 2) if s["spec_steps"] else None,
                          "accepted_share": round(s["spec_accepted"] / s["spec_drafted"], 3) if s["spec_drafted"] else None,
-                         "identical_outputs": sum(a == b for a, b in zip(texts["off"], texts[mode])), **s}
+                         "identical_outputs": sum(a == b for a, b in zip(texts["off"], texts[mode])),
+                         "verify_cost": round(engines[mode].engine.proposer.cost.value, 4), **s}
         report["sets"][name] = row
     print(f"{'set':>9} {'mode':>9} {'tok/s':>8} {'off tok/s':>10} {'speed-up':>9} {'accept len':>11} {'accepted':>9} "
-          f"{'identical':>10}")
+          f"{'identical':>10} {'c':>6}")
     for name, r in report["sets"].items():
         for mode in modes[1:]:
             m = r[mode]
             print(f"{name:>9} {mode:>9} {m['tokens_per_s']:>8} {r['tokens_per_s_off']:>10} {m['speedup']:>9} "
-                  f"{m['acceptance_length']!s:>11} {m['accepted_share']!s:>9} {m['identical_outputs']:>5}/{r['prompts']}")
+                  f"{m['acceptance_length']!s:>11} {m['accepted_share']!s:>9} {m['identical_outputs']:>5}/{r['prompts']} {m['verify_cost']:>6}")
     save_json(report, Path(args.json))
 
 

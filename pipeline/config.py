@@ -135,7 +135,8 @@ class SpeculativeSpec:
     # the runtime's defaults (runtime/engine/speculative.py SpeculativeConfig)
     num_tokens: int = SpeculativeConfig.num_tokens  # the most draft tokens a step verifies
     adaptive: bool = SpeculativeConfig.adaptive  # k per step from the sequence's acceptance
-    verify_cost: float = SpeculativeConfig.verify_cost  # a verify row's cost in decode steps, which the adaptive k weighs
+    # a verify row's cost in decode steps, which the adaptive k weighs: null measures it where it is served
+    verify_cost: float | None = SpeculativeConfig.verify_cost
 
 
 @dataclass
@@ -254,8 +255,9 @@ def _check(c: BuildConfig) -> None:
                                             "--speculative draft --speculative-draft DIR)")
     if not 1 <= s.num_tokens <= MAX_NUM_TOKENS:
         bad("speculative.num_tokens", s.num_tokens, f"draft tokens a step, in [1, {MAX_NUM_TOKENS}]")
-    if not 0.0 < s.verify_cost <= 1.0:
-        bad("speculative.verify_cost", s.verify_cost, "a verify row's cost in decode steps, in (0, 1]")
+    if s.verify_cost is not None and not 0.0 < s.verify_cost <= 1.0:
+        bad("speculative.verify_cost", s.verify_cost, "a verify row's cost in decode steps, in (0, 1], or null: "
+                                                   "measured where it is served")
     if any(b < 1 for b in c.tune.batch_buckets):
         bad("tune.batch_buckets", c.tune.batch_buckets, "batch sizes must be >= 1")
     if c.eval.seq_len < 2 or c.eval.stride < 1 or c.eval.stride > c.eval.seq_len:

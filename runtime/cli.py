@@ -75,13 +75,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative-draft-memory", type=str, default="256M", metavar="BYTES",
                    help="the draft model's own KV cache (default 256M)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
-                   help="the most draft tokens a step verifies with --speculative (default: the artifact's, else 4)")
+                   help="the most draft tokens a step verifies with --speculative (default: the artifact's, else 8)")
     p.add_argument("--speculative-adaptive", action=argparse.BooleanOptionalAction, default=None,
                    help="draft per step the k (up to K) that the sequence's acceptance so far makes pay best; "
                         "--no-speculative-adaptive always drafts K (default: the artifact's, else on)")
     p.add_argument("--speculative-verify-cost", type=float, default=None, metavar="C",
                    help="a verify row's cost in decode steps, which the adaptive k weighs (default: the artifact's, "
-                        "else 0.4, measured on an AVX2 host; lower where linears are memory-bound)")
+                        "else measured from the engine's own steps: ~0.04 where linears are memory-bound, ~0.4 "
+                        "where bfloat16 is emulated)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="on cuda with the triton kernels, replay decode steps as a CUDA graph per batch bucket, "
                         "captured at load; --no-cuda-graphs runs every step eagerly (default on)")

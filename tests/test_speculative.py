@@ -9,7 +9,8 @@ import random
 
 import pytest
 
-from infer.runtime.engine.speculative import SpeculativeConfig, SpecState, accepted_prefix, draft_length, propose_ngram
+from infer.runtime.engine.speculative import (PRIOR_VERIFY_COST, SpeculativeConfig, SpecState, VerifyCost, accepted_prefix,
+                                              draft_budget, draft_length, propose_ngram)
 
 
 def test_propose_ngram_continues_the_latest_earlier_match():
@@ -35,7 +36,7 @@ def test_the_adaptive_draft_length_is_the_one_that_pays_best_in_simulation():
     rng = random.Random(random.getrandbits(32))
     for _ in range(12):
         a, c, most = rng.uniform(0.05, 0.97), rng.uniform(0.05, 1.0), rng.randint(1, 8)
-        config = SpeculativeConfig("ngram", most, verify_cost=c)
+        config = SpeculativeConfig("ngram", most)
         state = SpecState(accepted=round(a * 100_000), rejected=round((1 - a) * 100_000))
 
         def earned(k: int, trials: int = 20_000) -> float:
@@ -48,15 +49,40 @@ def test_the_adaptive_draft_length_is_the_one_that_pays_best_in_simulation():
             return emitted / trials / (1 + c * k)
 
         rates = {k: earned(k) for k in range(1, most + 1)}
-        chosen = draft_length(state, config)
+        chosen = draft_length(state, config, c)
         assert 1 <= chosen <= most
         assert rates[chosen] >= 0.98 * max(rates.values()), (a, c, chosen, rates)
     # a sequence that has not drafted yet starts at the prior's a = 1/2; fixed k drafts the most
-    assert draft_length(SpecState(), SpeculativeConfig("ngram", 4, verify_cost=0.4)) == 1
-    assert draft_length(SpecState(accepted=50), SpeculativeConfig("ngram", 4, verify_cost=0.4)) == 4
-    assert draft_length(SpecState(rejected=50), SpeculativeConfig("ngram", 4, adaptive=False)) == 4
+    assert draft_length(SpecState(), SpeculativeConfig("ngram", 4), 0.4) == 1
+    assert draft_length(SpecState(accepted=50), SpeculativeConfig("ngram", 4), 0.4) == 4
+    assert draft_length(SpecState(rejected=50), SpeculativeConfig("ngram", 4, adaptive=False), 0.4) == 4
     with pytest.raises(ValueError, match="verify_cost"):
         SpeculativeConfig("ngram", 4, verify_cost=0)
+
+
+def test_the_verify_cost_is_measured_from_step_times():
+    """VerifyCost recovers c from noisy step times t(rows) = t1 (1 + c (rows - 1)) (c and t1 drawn at random, the
+    seed printed by the fixture): the prior until two sizes have settled, the fixed value when one is given,
+    and the break-even rule follows it (a sequence whose accepted share is under c stops drafting)."""
+    rng = random.Random(random.getrandbits(32))
+    for _ in range(8):
+        c, t1 = rng.uniform(0.02, 0.6), rng.uniform(0.002, 0.05)
+        cost = VerifyCost()
+        cost.observe(1, t1)
+        assert cost.value == PRIOR_VERIFY_COST
+        for _ in range(300):
+            rows = rng.choice([1, 1, 1, 3, 5, 9])
+            cost.observe(rows, t1 * (1 + c * (rows - 1)) * rng.uniform(0.97, 1.03))
+        assert abs(cost.value - c) < 0.02 + 0.1 * c, (c, cost.value)
+    fixed = VerifyCost(0.25)
+    for rows in (1, 5) * 20:
+        fixed.observe(rows, 0.01 * rows)
+    assert fixed.value == 0.25
+    config = SpeculativeConfig("ngram", 4, probe_tokens=12)
+    assert draft_budget(SpecState(drafted=20, accepted=3), config, 0.1, room=8) > 0  # 15% accepted, c 0.1: pays
+    state = SpecState(drafted=20, accepted=3)
+    assert draft_budget(state, config, 0.4, room=8) == 0 and state.off  # c 0.4: it does not, for good
+    assert draft_budget(state, config, 0.1, room=8) == 0
 
 
 def _prompts(tok, seed: int) -> list[str]:
@@ -110,13 +136,17 @@ def runs(embedded_artifact):
 
 def test_greedy_outputs_are_identical_with_speculation_on_and_off(runs):
     off, _, _, _, _ = runs["off"]
-    on, stats, preemptions, hits, _ = runs["ngram"]
+    on, stats, preemptions, hits, llm = runs["ngram"]
     assert len(on) >= 32
     different = [i for i, (a, b) in enumerate(zip(off, on)) if a.token_ids != b.token_ids]
     assert not different, [(off[i].text, on[i].text) for i in different[:3]]
     assert [a.finish_reason for a in off] == [b.finish_reason for b in on]
     assert stats["spec_accepted"] > 0 and stats["spec_emitted"] > stats["spec_steps"]  # drafts paid off
     assert preemptions > 0 and hits > 0  # the paths the test is meant to cover did happen
+    cost = llm.engine.proposer.cost  # the engine timed its decode-only steps into the verify cost
+    settled = sorted(rows for rows, (_, n) in cost.times.items() if n >= cost.settle)
+    assert len(settled) >= 2 and cost.value != PRIOR_VERIFY_COST, (cost.times, cost.value)
+    print(f"verify cost c = {cost.value:.3f} measured over steps of {settled} rows")
     print(f"drafted {stats['spec_drafted']} accepted {stats['spec_accepted']} in {stats['spec_steps']} steps; "
           f"{preemptions} preemptions, {hits} prefix-cache tokens")
 
@@ -296,7 +326,7 @@ def test_the_recipe_states_the_speculation_infer_run_serves_with(embedded_artifa
     build(compose_recipe([f"output_dir={out}", f"cache_dir={cache_dir}", "tune.enabled=false",
                           "speculative.method=ngram", "speculative.num_tokens=3"]))
     stated = json.loads((out / "manifest.json").read_text())["serving"]["speculative"]
-    assert stated == {"method": "ngram", "num_tokens": 3, "adaptive": True, "verify_cost": 0.4}
+    assert stated == {"method": "ngram", "num_tokens": 3, "adaptive": True, "verify_cost": None}
     config = LLM(out, kv_cache_memory=16 << 20).engine.proposer.config
     assert (config.method, config.num_tokens, config.adaptive) == ("ngram", 3, True)
     config = LLM(out, kv_cache_memory=16 << 20, num_speculative_tokens=2, speculative_adaptive=False).engine.proposer.config

@@ -31,7 +31,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .speculative import SpeculativeConfig, draft_budget
+from .speculative import SpeculativeConfig, VerifyCost, draft_budget
 
 log = logging.getLogger("infer.engine")
 
@@ -45,6 +45,7 @@ class DraftModelProposer:
         from ..model import ModelConfig, load_model
 
         self.config = config
+        self.cost = VerifyCost(config.verify_cost)  # the engine times its steps into it
         t0 = time.perf_counter()
         self.artifact = verify_artifact(draft)
         if _vocabulary(self.artifact) != _vocabulary(target):
@@ -78,7 +79,7 @@ class DraftModelProposer:
         the draft model steps all of their copies together, k decode steps for the longest draft."""
         jobs = []  # [sequence, its copy, its k, its draft so far]
         for seq, room in wanted:
-            k = draft_budget(seq.spec, self.config, room)
+            k = draft_budget(seq.spec, self.config, self.cost.value, room)
             if k >= 1 and len(seq) + k <= self.max_len:
                 jobs.append((seq, self._mirror(seq), k, []))
         drafting = list(jobs)

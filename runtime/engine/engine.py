@@ -73,9 +73,9 @@ class EngineConfig:
     # lookup; runtime/engine/speculative.py) | draft (a draft artifact: speculative_draft); k tokens a step. The
     # three below: None takes the artifact's value, else the default in the comment
     speculative: str = "auto"
-    num_speculative_tokens: int | None = None  # the most a step drafts (4)
+    num_speculative_tokens: int | None = None  # the most a step drafts (8)
     speculative_adaptive: bool | None = None  # k per step from the sequence's acceptance (speculative.draft_length; True)
-    speculative_verify_cost: float | None = None  # a verify row's cost in decode steps, which that choice weighs (0.4)
+    speculative_verify_cost: float | None = None  # a verify row's cost in decode steps, which that choice weighs (measured)
     # speculative=draft: the draft artifact (the target's tokenizer; runtime/engine/draft_model.py) and its KV cache
     speculative_draft: str | None = None
     speculative_draft_memory: int = 256 << 20
@@ -416,6 +416,8 @@ class LLMEngine:
             self.proposer.keep_only(self.scheduler.running)
         t_end = time.perf_counter()
         self.scheduler.observe(t_end - t_start, prefill_tokens, decode_rows)
+        if self.proposer is not None and not prefill_tokens:  # a verify row's cost, measured (speculative.VerifyCost)
+            self.proposer.cost.observe(decode_rows, t_sample - t_model)
         self.step_records.append(StepRecord(
             step=self.stats["steps"], t=wall, schedule_ms=(t_model - t_start) * 1e3,
             model_ms=(t_sample - t_model) * 1e3, sample_ms=(self._sampled_at - t_sample) * 1e3,

@@ -27,18 +27,24 @@ The rule (``eligible``, ``SpecState``): a sequence drafts when it decodes withou
 grammar, logit_bias, logprobs or a per-request opt-out; when at most ``max_batch`` sequences are running
 or waiting (past that, verifying costs more than a draft saves, and requests in line are work that verify
 rows would only delay: under vLLM's client with 32 requests at once, drafting while running sequences were
-few but others waited cost 0.78x the output tok/s); and while its acceptance
-holds up: from ``probe_tokens`` drafted tokens on, with fewer than ``min_acceptance`` of them
-accepted it stops drafting for good.
+few but others waited cost 0.78x the output tok/s); and while its drafts pay: from ``probe_tokens`` drafted
+tokens on, with an accepted share below the verify cost c (the break-even, below) it stops drafting for good.
 
 How many tokens it drafts (``draft_length``): with ``adaptive`` (the default), the k of at most
 ``num_tokens`` that maximizes the tokens a verifying step is expected to emit per unit of its cost.
 Each draft token is taken as accepted with probability a, independently, so a k-token draft emits
-(1 - a^(k+1)) / (1 - a) tokens on average, and a step verifying k tokens costs 1 + c k decode steps
-(c = ``verify_cost``: a verify row's cost relative to a whole decode step, measured on the host, where
-linears bound by compute make extra rows cost more). a is the sequence's own: accepted / (accepted +
-rejections) over its verified drafts (a rejection ends a draft; tokens after it were never judged),
-with one accepted and one rejected token as the prior. Without ``adaptive``, k = ``num_tokens``.
+(1 - a^(k+1)) / (1 - a) tokens on average, and a step verifying k tokens costs 1 + c k decode steps.
+a is the sequence's own: accepted / (accepted + rejections) over its verified drafts (a rejection ends a
+draft; tokens after it were never judged), with one accepted and one rejected token as the prior. Without
+``adaptive``, k = ``num_tokens``. A draft of k tokens emits 1 + accepted tokens for 1 + c k, so drafting
+pays while the accepted share exceeds c.
+
+c is a verify row's cost relative to a whole one-row decode step, and it depends on the host: where the
+linears are bound by memory (bfloat16 on AVX-512 BF16) an extra row costs a few percent of a step (c 0.04
+on Zen 5), where they are bound by arithmetic (bfloat16 emulated on AVX2) 0.4. ``VerifyCost`` measures
+it from the engine's own decode-only steps (the slope of a step's time against its rows, over a one-row
+step's time), starting from ``PRIOR_VERIFY_COST`` until it has timed steps of two sizes; ``verify_cost``
+set to a number fixes it instead.
 """
 
 from __future__ import annotations
@@ -51,22 +57,19 @@ import torch
 
 METHODS = ("off", "ngram", "draft")  # draft: a draft artifact's greedy tokens (runtime/engine/draft_model.py)
 MAX_NUM_TOKENS = 16  # the most draft tokens a step may verify
+PRIOR_VERIFY_COST = 0.4  # c before the engine has measured it: the highest measured (bfloat16 emulated on AVX2)
 
 
 @dataclass
 class SpeculativeConfig:
     method: str = "off"  # off | ngram | draft
-    num_tokens: int = 4  # draft tokens per step (k): a step emits up to k + 1
+    num_tokens: int = 8  # the most draft tokens a step verifies (k): a step emits up to k + 1
     ngram_max: int = 4
     ngram_min: int = 2
     max_batch: int = 4  # no drafting while more sequences than this are running or waiting
-    probe_tokens: int = 12  # drafted tokens before a sequence's acceptance is judged
-    # break-even: a step verifying k drafts costs about 1 + c*k decode steps and emits 1 + accepted
-    # tokens, so drafting pays while the accepted share exceeds c; c measured 0.4 on an AVX2 host
-    # (docs/benchmarks/2026-12-03-epyc-zen3-avx2.md), so 0.5 keeps a margin
-    min_acceptance: float = 0.5
+    probe_tokens: int = 12  # drafted tokens before a sequence's acceptance is judged against c
     adaptive: bool = True  # k per step from the sequence's acceptance (draft_length); False: always num_tokens
-    verify_cost: float = 0.4  # c above: a verify row's cost in decode steps (0.4 measured on AVX2)
+    verify_cost: float | None = None  # c: None measures it (VerifyCost); a number in (0, 1] fixes it
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -75,7 +78,7 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens={self.num_tokens}: must be in [1, {MAX_NUM_TOKENS}]")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes [{self.ngram_min}, {self.ngram_max}]: need 1 <= min <= max")
-        if not 0 < self.verify_cost <= 1:
+        if self.verify_cost is not None and not 0 < self.verify_cost <= 1:
             raise ValueError(f"speculative verify_cost={self.verify_cost}: a verify row's cost in decode steps, "
                              f"in (0, 1]")
 
@@ -90,15 +93,44 @@ class SpecState:
     off: bool = False
 
 
-def draft_length(state: SpecState, config: SpeculativeConfig) -> int:
-    """The number of tokens to draft this step (the module docstring's rule)."""
+class VerifyCost:
+    """c, a verify row's cost in one-row decode steps, from the engine's own decode-only steps (``observe``):
+    each step's time is averaged by its rows (a moving average, so it follows the host), and c is the slope of
+    a least-squares line through those averages over the line's one-row time. Until steps of two sizes have
+    been timed ``settle`` times each it is the prior; a ``fixed`` value is never measured."""
+
+    def __init__(self, fixed: float | None = None, settle: int = 4, weight: float = 0.1):
+        self.fixed, self.settle, self.weight = fixed, settle, weight
+        self.times: dict[int, list] = {}  # rows -> [average seconds, steps seen]
+        self.value = fixed if fixed is not None else PRIOR_VERIFY_COST
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A decode-only step of ``rows`` rows (decodes and verify rows) took ``seconds``."""
+        if self.fixed is not None or not 1 <= rows <= 1 + MAX_NUM_TOKENS * 4 or seconds <= 0:
+            return
+        t = self.times.setdefault(rows, [seconds, 0])
+        t[1] += 1
+        t[0] += (seconds - t[0]) * max(self.weight, 1 / t[1])
+        points = [(r, avg) for r, (avg, n) in self.times.items() if n >= self.settle]
+        if len(points) < 2:
+            return
+        mr = sum(r for r, _ in points) / len(points)
+        mt = sum(t for _, t in points) / len(points)
+        slope = sum((r - mr) * (t - mt) for r, t in points) / sum((r - mr) ** 2 for r, _ in points)
+        one_row = mt + slope * (1 - mr)
+        if one_row > 0:
+            self.value = min(1.0, max(0.01, slope / one_row))
+
+
+def draft_length(state: SpecState, config: SpeculativeConfig, cost: float) -> int:
+    """The number of tokens to draft this step (the module docstring's rule), c = ``cost``."""
     if not config.adaptive:
         return config.num_tokens
     a = (state.accepted + 1) / (state.accepted + state.rejected + 2)
     best_k, best = 1, 0.0
     for k in range(1, config.num_tokens + 1):
         emitted = sum(a ** i for i in range(k + 1))
-        value = emitted / (1 + config.verify_cost * k)
+        value = emitted / (1 + cost * k)
         if value > best:
             best_k, best = k, value
     return best_k
@@ -134,20 +166,22 @@ def eligible(seq) -> bool:
             and not p.logit_bias and p.allowed_token_ids is None and p.speculative)
 
 
-def draft_budget(state: SpecState, config: SpeculativeConfig, room: int) -> int:
-    """How many tokens a sequence drafts this step (0: none), by the rule above: none once its acceptance has
-    been judged too low (which turns it off for good), else ``draft_length``, at most ``room``."""
+def draft_budget(state: SpecState, config: SpeculativeConfig, cost: float, room: int) -> int:
+    """How many tokens a sequence drafts this step (0: none), by the rule above with c = ``cost``: none once
+    its accepted share has been judged under c (which turns it off for good), else ``draft_length``, at most
+    ``room``."""
     if state.off or room < 1:
         return 0
-    if state.drafted >= config.probe_tokens and state.accepted < config.min_acceptance * state.drafted:
+    if state.drafted >= config.probe_tokens and state.accepted < cost * state.drafted:
         state.off = True
         return 0
-    return min(draft_length(state, config), room)
+    return min(draft_length(state, config, cost), room)
 
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.cost = VerifyCost(config.verify_cost)  # the engine times its steps into it
 
     def keep_only(self, running) -> None:
         """Nothing to give back: n-gram drafts keep no state beyond the sequence's own."""
@@ -160,7 +194,7 @@ class NgramProposer:
     def draft(self, seq, room: int) -> list[int]:
         """Appends a draft of at most ``room`` tokens to a decoding sequence; returns it."""
         c, state = self.config, seq.spec
-        k = draft_budget(state, c, room)
+        k = draft_budget(state, c, self.cost.value, room)
         if k < 1:
             return []
         draft = propose_ngram(seq.token_ids, k, c.ngram_max, c.ngram_min)
