@@ -485,9 +485,7 @@ class LLMEngine:
             raise ValueError("the model's logits for this sequence are not finite (NaN or infinity)")
         draft = seq.spec.draft
         emit = verify_draft(logits, seq)
-        seq.spec.drafted += len(draft)
-        seq.spec.accepted += len(emit) - 1
-        seq.spec.rejected += len(emit) - 1 < len(draft)
+        seq.spec.record(len(draft), len(emit) - 1)
         self.stats["spec_steps"] += 1
         self.stats["spec_drafted"] += len(draft)
         self.stats["spec_accepted"] += len(emit) - 1
