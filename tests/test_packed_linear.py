@@ -47,7 +47,7 @@ def _random_linear(n: int, k: int, bias: bool, gen) -> nn.Linear:
 
 
 @pytest.mark.parametrize("kernel", _kernels())
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 16, 33, 64, 300])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 12, 13, 16, 33, 64, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("wide", [False, True])
 def test_packed_linear_matches_float64(kernel, rows, bias, wide):

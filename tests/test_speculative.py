@@ -66,7 +66,12 @@ def test_the_adaptive_draft_length_is_the_one_that_pays_best_in_simulation():
         state.record(4, accepted)
     assert (state.drafted, state.accepted, state.rejected) == (80, 40, 10)
     assert draft_length(state, SpeculativeConfig("ngram", 4), 0.4, source=4) == 4
-    assert draft_length(state, SpeculativeConfig("ngram", 4), 0.4, source=1) == 1
+    assert draft_length(state, SpeculativeConfig("ngram", 4), 0.4, source=1) == 0  # no k pays: none
+    # a draft costing about a target step (a draft model as large as the target): only probed, then no k pays
+    assert draft_length(SpecState(), SpeculativeConfig("ngram", 4), 1.4) == 1
+    state = SpecState(drafted=12, accepted=9, rejected=3, sources={0: [9, 3]})
+    assert draft_length(state, SpeculativeConfig("ngram", 4), 1.4) == 0
+    assert draft_length(state, SpeculativeConfig("ngram", 4), 0.1) == 4
     with pytest.raises(ValueError, match="verify_cost"):
         SpeculativeConfig("ngram", 4, verify_cost=0)
 
@@ -299,6 +304,8 @@ def test_a_draft_artifact_drafts_and_the_target_keeps_its_greedy_tokens(embedded
         assert stats["spec_drafted"] > 0 and least <= stats["spec_accepted"] / stats["spec_drafted"] <= most, stats
         proposer = llm.engine.proposer
         assert not proposer.mirrors and proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
+        print(f"draft cost {proposer.draft_cost():.2f} target steps a token, c {proposer.cost.value:.2f}, "
+              f"timed {proposer.cost.times}")
 
 
 def test_a_draft_with_another_vocabulary_is_refused(embedded_artifact, tmp_path, cache_dir):

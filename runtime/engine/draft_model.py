@@ -31,7 +31,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .speculative import SpeculativeConfig, VerifyCost, draft_budget
+from .speculative import MAX_NUM_TOKENS, SpeculativeConfig, VerifyCost, draft_budget
 
 log = logging.getLogger("infer.engine")
 
@@ -46,6 +46,8 @@ class DraftModelProposer:
 
         self.config = config
         self.cost = VerifyCost(config.verify_cost)  # the engine times its steps into it
+        self.step_seconds: float | None = None  # a draft decode step's time, averaged (draft_cost)
+        self.steps_timed = 0
         t0 = time.perf_counter()
         self.artifact = verify_artifact(draft)
         if _vocabulary(self.artifact) != _vocabulary(target):
@@ -78,8 +80,9 @@ class DraftModelProposer:
         """Appends to each (sequence, room) of ``wanted`` a draft of at most ``room`` tokens (and the rule's k):
         the draft model steps all of their copies together, k decode steps for the longest draft."""
         jobs = []  # [sequence, its copy, its k, its draft so far]
+        cost = self.cost.value + self.draft_cost()
         for seq, room in wanted:
-            k = draft_budget(seq.spec, self.config, self.cost.value, room)
+            k = draft_budget(seq.spec, self.config, cost, room)
             if k >= 1 and len(seq) + k <= self.max_len:
                 jobs.append((seq, self._mirror(seq), k, []))
         drafting = list(jobs)
@@ -94,7 +97,15 @@ class DraftModelProposer:
                         batch.append((job, new))
                 if not batch:
                     break
+                t0 = time.perf_counter()
                 logits = self.runner.execute(ScheduledBatch([j[1] for j, _ in batch], [n for _, n in batch], [])).logits
+                if max(n for _, n in batch) <= 1 + MAX_NUM_TOKENS:  # not a copy's first prompt
+                    self.steps_timed += 1
+                    seconds = time.perf_counter() - t0
+                    if self.steps_timed == 3:  # the first two warm caches up
+                        self.step_seconds = seconds
+                    elif self.steps_timed > 3:
+                        self.step_seconds += (seconds - self.step_seconds) * 0.1
                 going = []
                 for (job, _), row in zip(batch, logits):
                     seq, mirror, k, draft = job
@@ -111,6 +122,14 @@ class DraftModelProposer:
             if draft:
                 seq.spec.draft = draft
                 seq.token_ids.extend(draft)
+
+    def draft_cost(self) -> float:
+        """What drafting a token costs in one-row target steps (a draft step over a target step, both as timed so
+        far; 0 until both are): added to the verify cost c in the rule, so a draft model no cheaper than what
+        its accepted tokens save stops drafting (speculative.py)."""
+        if self.step_seconds is None or not self.cost.one_row:
+            return 0.0
+        return self.step_seconds / self.cost.one_row
 
     def _mirror(self, seq: Sequence) -> Sequence:
         """The draft model's copy of ``seq``, its tokens now the target's and its computed length no longer than

@@ -121,14 +121,17 @@ class VerifyCost:
         self.fixed, self.settle, self.weight = fixed, settle, weight
         self.times: dict[int, list] = {}  # rows -> [average seconds, steps seen]
         self.value = fixed if fixed is not None else PRIOR_VERIFY_COST
+        self.one_row: float | None = None  # a one-row step's seconds (a draft model's cost is weighed against it)
 
     def observe(self, rows: int, seconds: float) -> None:
         """A decode-only step of ``rows`` rows (decodes and verify rows) took ``seconds``."""
-        if self.fixed is not None or not 1 <= rows <= 1 + MAX_NUM_TOKENS * 4 or seconds <= 0:
+        if not 1 <= rows <= 1 + MAX_NUM_TOKENS * 4 or seconds <= 0:
             return
         t = self.times.setdefault(rows, [seconds, 0])
         t[1] += 1
         t[0] += (seconds - t[0]) * max(self.weight, 1 / t[1])
+        if rows == 1:
+            self.one_row = t[0]
         points = [(r, avg) for r, (avg, n) in self.times.items() if n >= self.settle]
         if len(points) < 2:
             return
@@ -137,23 +140,27 @@ class VerifyCost:
         slope = sum((r - mr) * (t - mt) for r, t in points) / sum((r - mr) ** 2 for r, _ in points)
         one_row = mt + slope * (1 - mr)
         if one_row > 0:
-            self.value = min(1.0, max(0.01, slope / one_row))
+            self.one_row = one_row
+            if self.fixed is None:
+                self.value = min(1.0, max(0.01, slope / one_row))
 
 
 def draft_length(state: SpecState, config: SpeculativeConfig, cost: float, source: int = 0) -> int:
-    """The number of tokens to draft this step (the module docstring's rule), c = ``cost``, the draft to come
-    from ``source``."""
+    """The number of tokens to draft this step (the module docstring's rule; 0 where no k pays, once probed),
+    c = ``cost``, the draft to come from ``source``."""
     if not config.adaptive:
         return config.num_tokens
     pooled = (state.accepted + 1) / (state.accepted + state.rejected + 2)
     accepted, rejected = state.sources.get(source, (0, 0))
     a = (accepted + 2 * pooled) / (accepted + rejected + 2)
-    best_k, best = 1, 0.0
+    best_k, best = 0, 1.0  # 0: a plain decode, one token for one step's cost, pays best
     for k in range(1, config.num_tokens + 1):
         emitted = sum(a ** i for i in range(k + 1))
         value = emitted / (1 + cost * k)
         if value > best:
             best_k, best = k, value
+    if best_k == 0 and state.drafted < config.probe_tokens:
+        return 1  # still probing: the prior alone does not rule drafting out
     return best_k
 
 
