@@ -31,7 +31,7 @@ from .model_runner import ModelRunner, kv_bytes_per_block
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from .speculative import MAX_NUM_TOKENS, SpeculativeConfig, VerifyCost, draft_budget
+from .speculative import SpeculativeConfig, VerifyCost, draft_budget
 
 log = logging.getLogger("infer.engine")
 
@@ -46,8 +46,8 @@ class DraftModelProposer:
 
         self.config = config
         self.cost = VerifyCost(config.verify_cost)  # the engine times its steps into it
-        self.step_seconds: float | None = None  # a draft decode step's time, averaged (draft_cost)
-        self.steps_timed = 0
+        self.token_seconds: float | None = None  # the time a drafted token costs, averaged (draft_cost)
+        self.calls_timed = 0
         t0 = time.perf_counter()
         self.artifact = verify_artifact(draft)
         if _vocabulary(self.artifact) != _vocabulary(target):
@@ -86,6 +86,8 @@ class DraftModelProposer:
             if k >= 1 and len(seq) + k <= self.max_len:
                 jobs.append((seq, self._mirror(seq), k, []))
         drafting = list(jobs)
+        fresh = any(mirror.num_computed_tokens == 0 for _, mirror, _, _ in jobs)  # a copy's first prompt: not timed
+        t0 = time.perf_counter()
         with torch.inference_mode():
             while jobs:
                 batch = []
@@ -97,15 +99,7 @@ class DraftModelProposer:
                         batch.append((job, new))
                 if not batch:
                     break
-                t0 = time.perf_counter()
                 logits = self.runner.execute(ScheduledBatch([j[1] for j, _ in batch], [n for _, n in batch], [])).logits
-                if max(n for _, n in batch) <= 1 + MAX_NUM_TOKENS:  # not a copy's first prompt
-                    self.steps_timed += 1
-                    seconds = time.perf_counter() - t0
-                    if self.steps_timed == 3:  # the first two warm caches up
-                        self.step_seconds = seconds
-                    elif self.steps_timed > 3:
-                        self.step_seconds += (seconds - self.step_seconds) * 0.1
                 going = []
                 for (job, _), row in zip(batch, logits):
                     seq, mirror, k, draft = job
@@ -118,18 +112,27 @@ class DraftModelProposer:
                     if len(draft) < k:
                         going.append(job)
                 jobs = going
+        tokens = sum(len(draft) for _, _, _, draft in drafting)
+        if tokens and not fresh:  # the whole call over its tokens: the copies' catching up counts too
+            self.calls_timed += 1
+            seconds = (time.perf_counter() - t0) / tokens
+            if self.calls_timed == 3:  # the first two warm caches up
+                self.token_seconds = seconds
+            elif self.calls_timed > 3:
+                self.token_seconds += (seconds - self.token_seconds) * 0.1
         for seq, _, _, draft in drafting:
             if draft:
                 seq.spec.draft = draft
                 seq.token_ids.extend(draft)
 
     def draft_cost(self) -> float:
-        """What drafting a token costs in one-row target steps (a draft step over a target step, both as timed so
-        far; 0 until both are): added to the verify cost c in the rule, so a draft model no cheaper than what
-        its accepted tokens save stops drafting (speculative.py)."""
-        if self.step_seconds is None or not self.cost.one_row:
+        """What drafting a token costs in one-row target steps (the draft model's time a drafted token, its copies'
+        catching up with what the target emitted included, over a target step, both as timed so far; 0 until
+        both are): added to the verify cost c in the rule, so a draft model no cheaper than what its accepted
+        tokens save stops drafting (speculative.py)."""
+        if self.token_seconds is None or not self.cost.one_row:
             return 0.0
-        return self.step_seconds / self.cost.one_row
+        return self.token_seconds / self.cost.one_row
 
     def _mirror(self, seq: Sequence) -> Sequence:
         """The draft model's copy of ``seq``, its tokens now the target's and its computed length no longer than
