@@ -218,13 +218,11 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
   }
   const uint16_t* w = block + 2 * c0;
   const int64_t step = 2 * width;  // uint16 a pair row
+  // the first slice of a block prefetches whole pair rows (the other slices then read theirs from cache)
+  const int64_t ahead = c0 == 0 ? 4 * width : V * kLanes * 4;  // bytes of the pair row this tile prefetches
   for (int64_t p = 0; p < pairs; ++p, w += step) {
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-    if (V * kLanes * 4 > 64) _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 64, _MM_HINT_T0);
-    if (V * kLanes * 4 > 128) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 128, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + 192, _MM_HINT_T0);
-    }
+    for (int64_t b = 0; b < ahead; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + b, _MM_HINT_T0);
     for (int j = 0; j < V; ++j) {
       vf even, odd;
       widen_pairs(w + 2 * kLanes * j, even, odd);
@@ -244,15 +242,32 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
     }
 }
 
-// Every row of x against one block. Few rows (a decode step) read each pair row of the block whole, front
-// to back; more rows go in tiles of kTileRows x 2 vectors, which keep every weight load for kTileRows rows.
+// Every row of x against one block. One row (a decode step at batch 1) reads each pair row of the block whole,
+// front to back; a few go in one pass of slice tiles (2 vectors of columns, all the rows: a tile a row re-read
+// the block, and 2-7 rows on AVX-512 ran 1.1-2.1x slower so, `python -m infer.bench.linear_rows`); more go in
+// tiles of kTileRows x 2 vectors, which keep every weight load for kTileRows rows.
 template <int V>  // vectors a block row: width / kLanes
 inline void rows_of_block(const float* xf, int64_t k, int64_t pairs, const uint16_t* block, const float* bias,
                           uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
   constexpr int64_t width = V * kLanes;
   constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // 2 x rows accumulators, of 32 or 16 registers
-  if (r1 - r < kTileRows) {
+  // from this many rows on, slice tiles: 2 rows of 8-lane AVX2 ran 1.1-1.15x slower as slices than as 2 passes
+  constexpr int kSliceRows = kLanes == 16 ? 2 : 3;
+  if (r1 - r < kSliceRows) {
     for (; r < r1; ++r) tile<1, V>(xf + r * k, k, pairs, block, width, 0, bias, y + r * n, n, n0, n);
+    return;
+  }
+  if (r1 - r < kTileRows) {  // a few rows (decode rows, verify rows): one slice tile of all of them, one pass
+    for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
+      if (r1 - r == 2) tile<2, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
+      else if (r1 - r == 3) tile<3, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
+      else if constexpr (kTileRows > 4) {
+        if (r1 - r == 4) tile<4, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
+        else if (r1 - r == 5) tile<5, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
+        else if (r1 - r == 6) tile<6, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
+        else tile<7, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
+      }
+    }
     return;
   }
   for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
