@@ -65,7 +65,7 @@ def main(argv=None) -> None:
         llm.generate([tok.apply_chat_template([{"role": "user", "content": "Say hi. Say hi."}])], params)
     report = {"host": host_info(), "plan": engines["off"].engine.plan.describe(),
               "artifact": str(args.artifact), "max_tokens": args.max_tokens,
-              "num_speculative_tokens": args.num_speculative_tokens, "verify_cost": args.verify_cost,
+              "num_speculative_tokens": engines[modes[1]].engine.proposer.config.num_tokens, "verify_cost": args.verify_cost,
               "draft": args.draft, "sets": {}}
     keys = ("spec_steps", "spec_drafted", "spec_accepted", "spec_emitted")
     for name in SETS:

@@ -242,6 +242,20 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
     }
 }
 
+constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // a tile's rows: 2 x rows accumulators, of 32 or 16 registers
+
+// rows (fewer than kTileRows) of x against the whole block in one pass: a slice tile of all of them per 2 vectors
+// of columns
+template <int V, int ROWS = 2>  // V: vectors a block row
+inline void slices(int rows, const float* xf, int64_t k, int64_t pairs, const uint16_t* block, const float* bias,
+                   uint16_t* y, int64_t n0, int64_t n) {
+  if constexpr (ROWS < kTileRows) {
+    if (rows != ROWS) return slices<V, ROWS + 1>(rows, xf, k, pairs, block, bias, y, n0, n);
+    for (int64_t c0 = 0; c0 < V * kLanes; c0 += 2 * kLanes)
+      tile<ROWS, 2>(xf, k, pairs, block, V * kLanes, c0, bias, y, n, n0, n);
+  }
+}
+
 // Every row of x against one block. One row (a decode step at batch 1) reads each pair row of the block whole,
 // front to back; a few go in one pass of slice tiles (2 vectors of columns, all the rows: a tile a row re-read
 // the block, and 2-7 rows on AVX-512 ran 1.1-2.1x slower so, `python -m infer.bench.linear_rows`); more go in
@@ -250,24 +264,14 @@ template <int V>  // vectors a block row: width / kLanes
 inline void rows_of_block(const float* xf, int64_t k, int64_t pairs, const uint16_t* block, const float* bias,
                           uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
   constexpr int64_t width = V * kLanes;
-  constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // 2 x rows accumulators, of 32 or 16 registers
   // from this many rows on, slice tiles: 2 rows of 8-lane AVX2 ran 1.1-1.15x slower as slices than as 2 passes
   constexpr int kSliceRows = kLanes == 16 ? 2 : 3;
   if (r1 - r < kSliceRows) {
     for (; r < r1; ++r) tile<1, V>(xf + r * k, k, pairs, block, width, 0, bias, y + r * n, n, n0, n);
     return;
   }
-  if (r1 - r < kTileRows) {  // a few rows (decode rows, verify rows): one slice tile of all of them, one pass
-    for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
-      if (r1 - r == 2) tile<2, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
-      else if (r1 - r == 3) tile<3, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
-      else if constexpr (kTileRows > 4) {
-        if (r1 - r == 4) tile<4, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
-        else if (r1 - r == 5) tile<5, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
-        else if (r1 - r == 6) tile<6, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
-        else tile<7, 2>(xf + r * k, k, pairs, block, width, c0, bias, y + r * n, n, n0, n);
-      }
-    }
+  if (r1 - r < kTileRows) {  // a few rows (decode rows, verify rows): one pass
+    slices<V>(static_cast<int>(r1 - r), xf + r * k, k, pairs, block, bias, y + r * n, n0, n);
     return;
   }
   for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
