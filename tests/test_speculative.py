@@ -357,6 +357,9 @@ def test_the_recipe_states_the_speculation_infer_run_serves_with(embedded_artifa
         compose_recipe(["speculative.method=draft"])
     with pytest.raises(RecipeError, match="speculative.num_tokens"):
         compose_recipe(["speculative.num_tokens=0"])
+    with pytest.raises(RecipeError, match=r"speculative.verify_cost.*in \(0, 1\], or null"):
+        compose_recipe(["speculative.verify_cost=2"])
+    assert compose_recipe(["speculative.verify_cost=0.3"]).speculative.verify_cost == 0.3  # fixed where served
 
 
 def test_infer_run_flags_reach_the_engine_config():
