@@ -67,6 +67,18 @@ def test_packed_linear_matches_float64(kernel, rows, bias, wide):
     scale = want.abs().max().item()
     assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * scale)
     assert torch.allclose(got.float(), linear(x).float(), rtol=1e-2, atol=1e-2 * scale)
+    # float_out (the LM head's logits): amx and blocks return their float32 sums unrounded, within float32
+    # accumulation error of the exact result (far inside a bfloat16 step), and rounding them gives the bfloat16
+    # output; oneDNN's rounded output comes back widened
+    sums = packed(x, float_out=True)
+    assert sums.dtype == torch.float32 and sums.shape == (rows, n)
+    if kernel == "onednn":
+        assert torch.equal(sums, got.float())
+    else:
+        bound = linear.in_features * 2.0 ** -23 * (x.double().abs() @ linear.weight.double().abs().t()
+                                                   + (linear.bias.double().abs() if bias else 0)) + 1e-30
+        assert ((sums.double() - want).abs() <= bound).all(), f"worst {((sums.double() - want).abs() / bound).max():.3g} of the bound"
+        assert torch.equal(sums.bfloat16(), got)
 
 
 @pytest.mark.skipif(AMX is None, reason="this CPU has no AMX: the AMX kernel cannot run here")

@@ -6,7 +6,8 @@
 // at 1-32 rows. Here the weights are stored once in AMX's tile layout (kernels/amx_linear.py
 // packs them), each thread streams its own column blocks front to back, and the rows of x stay
 // in cache. Products of bfloat16 pairs accumulate in float32 tiles; the output is rounded to
-// bfloat16 once, with the bias added in float32 first, as oneDNN does.
+// bfloat16 once, with the bias added in float32 first, as oneDNN does; the LM head keeps its float32 sums
+// (float_out: logits are not rounded to bfloat16, bf16_linear.cpp says why).
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
@@ -26,9 +27,10 @@ constexpr int64_t kPrefetchTiles = 4;  // how far ahead of its loads a thread pr
 constexpr int64_t kRowBlockBytes = 512 << 10;  // rows of x worked on together: kept in L2
 
 // out[m, n0:n0+32] for rows m0 .. m0+rows-1 (rows <= 32), from x as tiles. tmm0-3 accumulate C
-// (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold weights.
+// (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold weights. out: bfloat16, or float32 sums
+// where float_out.
 void column_pair(const at::BFloat16* x_tiles, int64_t m0, int64_t rows, int64_t K, const at::BFloat16* w_blocks,
-                 int64_t n0, const at::BFloat16* bias, at::BFloat16* out, int64_t out_stride) {
+                 int64_t n0, const at::BFloat16* bias, void* out, int64_t out_stride, bool float_out) {
   const int64_t kblocks = K / kTileK;
   const at::BFloat16* w0 = w_blocks + (n0 / kBlockN) * kblocks * kTileRows * kTileK;
   const at::BFloat16* w1 = w0 + kblocks * kTileRows * kTileK;
@@ -75,17 +77,24 @@ void column_pair(const at::BFloat16* x_tiles, int64_t m0, int64_t rows, int64_t 
         _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0 + kBlockN))), 16));
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512bh y = _mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(&c[r][kBlockN]), b1),
-                                           _mm512_add_ps(_mm512_load_ps(&c[r][0]), b0));
-    _mm512_storeu_si512(out + (m0 + r) * out_stride + n0, (__m512i)y);
+    const __m512 lo = _mm512_add_ps(_mm512_load_ps(&c[r][0]), b0), hi = _mm512_add_ps(_mm512_load_ps(&c[r][kBlockN]), b1);
+    if (float_out) {
+      float* y = static_cast<float*>(out) + (m0 + r) * out_stride + n0;
+      _mm512_storeu_ps(y, lo);
+      _mm512_storeu_ps(y + kBlockN, hi);
+    } else {
+      _mm512_storeu_si512(static_cast<at::BFloat16*>(out) + (m0 + r) * out_stride + n0,
+                          (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
   }
 }
 
 }  // namespace
 
 // x: [M, K] bfloat16, any strides; w_blocks: the weight as packed by kernels/amx_linear.py,
-// [N / 16, K / 32, 16, 32] bfloat16; bias: [N] bfloat16 or None. Returns [M, N] bfloat16.
-torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<torch::Tensor> bias) {
+// [N / 16, K / 32, 16, 32] bfloat16; bias: [N] bfloat16 or None. Returns [M, N] bfloat16 (float32 where float_out).
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<torch::Tensor> bias,
+                         bool float_out = false) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "amx_linear: x must be a [M, K] bfloat16 tensor");
   TORCH_CHECK(w_blocks.dim() == 4 && w_blocks.is_contiguous() && w_blocks.scalar_type() == at::kBFloat16 &&
                   w_blocks.size(2) == kTileRows && w_blocks.size(3) == kTileK,
@@ -122,9 +131,9 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
       }
     }
   });
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, N}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
   const at::BFloat16* w = w_blocks.data_ptr<at::BFloat16>();
-  at::BFloat16* o = out.data_ptr<at::BFloat16>();
+  void* o = out.data_ptr();
   // Each task: a run of 32-column pairs. Rows go in blocks of about kRowBlockBytes of x, so that
   // a block stays in the core's L2 while the task's weights stream past it; a few rows (serving's
   // usual case) are one block, and the weights are read exactly once.
@@ -134,7 +143,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
     for (int64_t block = 0; block < M; block += rows_per_block)
       for (int64_t p = begin; p < end; ++p)
         for (int64_t m0 = block; m0 < std::min(M, block + rows_per_block); m0 += 2 * kTileRows)
-          column_pair(xt, m0, std::min<int64_t>(M - m0, 2 * kTileRows), K, w, p * 2 * kBlockN, b, o, N);
+          column_pair(xt, m0, std::min<int64_t>(M - m0, 2 * kTileRows), K, w, p * 2 * kBlockN, b, o, N, float_out);
     _tile_release();
   });
   return out;
@@ -143,6 +152,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable_amx", &infer::enable_amx, "request AMX tile permission for this process");
-  m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T + b on AMX tiles (weights packed by amx_linear.py)");
+  m.def("amx_linear", &amx_linear, "bfloat16 x @ W^T + b on AMX tiles (weights packed by amx_linear.py); float_out: float32 sums",
+        py::arg("x"), py::arg("w_blocks"), py::arg("bias"), py::arg("float_out") = false);
 }
 #endif

@@ -20,7 +20,9 @@
 //
 // Sums are float32 (bf16 products are exact in float32), the bias is added in float32, and each
 // output is rounded once to bfloat16 (nearest even), as oneDNN and torch's bf16 linears do; the
-// order of the additions differs, so results agree to bfloat16 rounding, not bit for bit.
+// order of the additions differs, so results agree to bfloat16 rounding, not bit for bit. The LM head asks for its
+// sums unrounded (float32 out): rounding logits to bfloat16 (a step of 0.125 at 20) set the floor of every
+// comparison between two runs (int8 KV against bfloat16: mean KLD 0.0021 with rounded logits, 0.0012 without).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -29,6 +31,7 @@
 #include "work_split.h"
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -77,9 +80,9 @@ inline __m256i to_bf16(__m512 v) {
 
 // y[0:ROWS, 16*J0 .. 16*(J0+LANES) of the block's columns] = x[0:ROWS] . those columns + bias: LANES of the
 // VECS vectors of 16 columns a pair row of the block holds (all of them, or half of a 64-column block).
-template <int ROWS, int LANES, int VECS = LANES>
+template <int ROWS, int LANES, int VECS = LANES, typename Out>
 inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* block, const float* bias,
-                 uint16_t* y, int64_t ldy, int64_t n0, int64_t n, int J0 = 0) {
+                 Out* y, int64_t ldy, int64_t n0, int64_t n, int J0 = 0) {
   __m512 acc[ROWS][LANES];
   for (int j = 0; j < LANES; ++j) {
     const int64_t col = n0 + 16 * (J0 + j);
@@ -105,10 +108,12 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < LANES; ++j) {
       const int64_t col = n0 + 16 * (J0 + j);
-      if (col + 16 <= n)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + col), to_bf16(acc[r][j]));
-      else if (col < n)
-        _mm256_mask_storeu_epi16(y + r * ldy + col, static_cast<__mmask16>((1u << (n - col)) - 1), to_bf16(acc[r][j]));
+      if (col >= n) continue;
+      const __mmask16 live = col + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+      if constexpr (std::is_same_v<Out, float>)
+        _mm512_mask_storeu_ps(y + r * ldy + col, live, acc[r][j]);
+      else
+        _mm256_mask_storeu_epi16(y + r * ldy + col, live, to_bf16(acc[r][j]));
     }
 }
 
@@ -116,14 +121,14 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
 // sums fit (rows x VECS <= 24), else (a 64-column block, 7 to 12 rows) two tiles of half its columns, each reading
 // half of every pair row. Rows in tiles of 6, 4, 2 and 1 read the block once a tile: a decode step verifying 8
 // draft tokens (9 rows: 6 + 2 + 1) took 2.3x a one-row step's time in the gate_up linear, 4 rows 1.0x.
-template <int VECS, int ROWS = 1>
+template <int VECS, int ROWS = 1, typename Out>
 inline void one_pass(int rows, const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* block, const float* bias,
-                     uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+                     Out* y, int64_t ldy, int64_t n0, int64_t n) {
   if constexpr (ROWS <= 12) {
     if (rows != ROWS)
       return one_pass<VECS, ROWS + 1>(rows, x, ldx, pairs, block, bias, y, ldy, n0, n);
     if constexpr (ROWS * VECS <= 24) {
-      tile<ROWS, VECS>(x, ldx, pairs, block, bias, y, ldy, n0, n);
+      tile<ROWS, VECS, VECS>(x, ldx, pairs, block, bias, y, ldy, n0, n);
     } else {
       static_assert(VECS == 4, "blocks are 64 or 32 columns");
       tile<ROWS, 2, 4>(x, ldx, pairs, block, bias, y, ldy, n0, n, 0);
@@ -133,34 +138,41 @@ inline void one_pass(int rows, const uint16_t* x, int64_t ldx, int64_t pairs, co
 }
 
 // Every row of x against one block: tiles of as many rows as the registers hold, the rest in one pass.
-template <int LANES>
+template <int LANES, typename Out>
 inline void rows_of_block(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* block, const float* bias,
-                          uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
+                          Out* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
   constexpr int WIDE = 24 / LANES;  // 24 accumulators (of 32 registers)
-  for (; r1 - r > 12; r += WIDE) tile<WIDE, LANES>(x + r * ldx, ldx, pairs, block, bias, y + r * n, n, n0, n);
+  for (; r1 - r > 12; r += WIDE) tile<WIDE, LANES, LANES>(x + r * ldx, ldx, pairs, block, bias, y + r * n, n, n0, n);
   if (r < r1) one_pass<LANES>(static_cast<int>(r1 - r), x + r * ldx, ldx, pairs, block, bias, y + r * n, n, n0, n);
 }
 
 }  // namespace
 
 // x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K/2, W, 2] with W 64 or 32 (kernels/bf16_linear.py);
-// bias: float32 [N] or None. Returns [M, N] bfloat16.
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
-  const int64_t m = in.m, k = in.k, pairs = in.pairs, blocks = in.blocks, width = in.width;
-  const float* b = in.bias;
-  auto y = torch::empty({m, n}, x.options());
+// bias: float32 [N] or None. Returns [M, N] bfloat16, or float32 sums unrounded where float_out.
+template <typename Out>
+void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n, Out* yp) {
+  const int64_t m = in.m, pairs = in.pairs, blocks = in.blocks, width = in.width;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t ldx = x.stride(0), block_elems = pairs * width * 2;
   infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r, int64_t r1) {
     const uint16_t* w = wp + blk * block_elems;
     if (width == 64)
-      rows_of_block<4>(xp, ldx, pairs, w, b, yp, blk * width, n, r, r1);
+      rows_of_block<4>(xp, ldx, pairs, w, in.bias, yp, blk * width, n, r, r1);
     else
-      rows_of_block<2>(xp, ldx, pairs, w, b, yp, blk * width, n, r, r1);
+      rows_of_block<2>(xp, ldx, pairs, w, in.bias, yp, blk * width, n, r, r1);
   });
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                          bool float_out = false) {
+  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
+  auto y = torch::empty({in.m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (float_out)
+    run_blocks(in, x, packed, n, y.data_ptr<float>());
+  else
+    run_blocks(in, x, packed, n, reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }
 
@@ -204,9 +216,9 @@ inline void widen_pairs(const uint16_t* w, vf& even, vf& odd) {
 
 // y[0:ROWS, c0:c0+V*kLanes] = x[0:ROWS] . block columns c0.. + bias; x in float32 (xf, K floats a row),
 // the block `width` columns wide, its first column n0 of the n outputs.
-template <int ROWS, int V>
+template <int ROWS, int V, typename Out>
 inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* block, int64_t width, int64_t c0,
-                 const float* bias, uint16_t* y, int64_t ldy, int64_t n0, int64_t n) {
+                 const float* bias, Out* y, int64_t ldy, int64_t n0, int64_t n) {
   vf acc[ROWS][V];
   for (int j = 0; j < V; ++j) {
     alignas(64) float b[kLanes] = {};
@@ -237,8 +249,11 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
       alignas(64) float out[kLanes];
       vstore(out, acc[r][j]);
       const int64_t col = n0 + c0 + j * kLanes;
-      uint16_t* yr = y + r * ldy + col;
-      for (int i = 0; i < kLanes && col + i < n; ++i) yr[i] = infer::from_float<at::BFloat16>(out[i]).x;
+      Out* yr = y + r * ldy + col;
+      for (int i = 0; i < kLanes && col + i < n; ++i) {
+        if constexpr (std::is_same_v<Out, float>) yr[i] = out[i];
+        else yr[i] = infer::from_float<at::BFloat16>(out[i]).x;
+      }
     }
 }
 
@@ -246,9 +261,9 @@ constexpr int kTileRows = kLanes == 16 ? 8 : 4;  // a tile's rows: 2 x rows accu
 
 // rows (fewer than kTileRows) of x against the whole block in one pass: a slice tile of all of them per 2 vectors
 // of columns
-template <int V, int ROWS = 2>  // V: vectors a block row
+template <int V, int ROWS = 2, typename Out>  // V: vectors a block row
 inline void slices(int rows, const float* xf, int64_t k, int64_t pairs, const uint16_t* block, const float* bias,
-                   uint16_t* y, int64_t n0, int64_t n) {
+                   Out* y, int64_t n0, int64_t n) {
   if constexpr (ROWS < kTileRows) {
     if (rows != ROWS) return slices<V, ROWS + 1>(rows, xf, k, pairs, block, bias, y, n0, n);
     for (int64_t c0 = 0; c0 < V * kLanes; c0 += 2 * kLanes)
@@ -260,9 +275,9 @@ inline void slices(int rows, const float* xf, int64_t k, int64_t pairs, const ui
 // front to back; a few go in one pass of slice tiles (2 vectors of columns, all the rows: a tile a row re-read
 // the block, and 2-7 rows on AVX-512 ran 1.1-2.1x slower so, `python -m infer.bench.linear_rows`); more go in
 // tiles of kTileRows x 2 vectors, which keep every weight load for kTileRows rows.
-template <int V>  // vectors a block row: width / kLanes
+template <int V, typename Out>  // vectors a block row: width / kLanes
 inline void rows_of_block(const float* xf, int64_t k, int64_t pairs, const uint16_t* block, const float* bias,
-                          uint16_t* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
+                          Out* y, int64_t n0, int64_t n, int64_t r, int64_t r1) {
   constexpr int64_t width = V * kLanes;
   // from this many rows on, slice tiles: 2 rows of 8-lane AVX2 ran 1.1-1.15x slower as slices than as 2 passes
   constexpr int kSliceRows = kLanes == 16 ? 2 : 3;
@@ -285,8 +300,8 @@ inline void rows_of_block(const float* xf, int64_t k, int64_t pairs, const uint1
 
 }  // namespace
 
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias) {
-  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
+template <typename Out>
+void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n, Out* yp) {
   const int64_t m = in.m, k = in.k, pairs = in.pairs, blocks = in.blocks, width = in.width;
   const float* b = in.bias;
   // x widened once (exact), so that the tiles broadcast float32 straight from memory (a plain loop: a torch
@@ -295,10 +310,8 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
   const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   for (int64_t r = 0; r < m; ++r)
     for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
-  auto y = torch::empty({m, n}, x.options());
   const float* xp = xf.data();
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t block_elems = pairs * width * 2;
   infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r, int64_t r1) {
     const uint16_t* w = wp + blk * block_elems;
@@ -307,6 +320,16 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10:
     else
       rows_of_block<32 / kLanes>(xp, k, pairs, w, b, yp, blk * width, n, r, r1);
   });
+}
+
+torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
+                          bool float_out = false) {
+  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
+  auto y = torch::empty({in.m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
+  if (float_out)
+    run_blocks(in, x, packed, n, y.data_ptr<float>());
+  else
+    run_blocks(in, x, packed, n, reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
 }
 
@@ -314,7 +337,7 @@ bool available() { return true; }
 
 #else
 
-torch::Tensor bf16_linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
+torch::Tensor bf16_linear(torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>, bool = false) {
   TORCH_CHECK(false, "bf16_linear: built for a CPU without AVX2 and FMA");
 }
 
@@ -325,7 +348,9 @@ bool available() { return false; }
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: a prompt chunk's matmul must not stall a server's event loop
-  m.def("bf16_linear", &bf16_linear, "bfloat16 linear over a packed weight (CPU: AVX-512 BF16, AVX-512F or AVX2 + FMA)",
+  m.def("bf16_linear", &bf16_linear,
+        "bfloat16 linear over a packed weight (CPU: AVX-512 BF16, AVX-512F or AVX2 + FMA); float_out: float32 sums",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias"), py::arg("float_out") = false,
         py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has a bfloat16 linear (its target has AVX2 + FMA at least)");
 }

@@ -32,6 +32,7 @@ from ..artifact import CONFIG
 from ..engine.attention import attention
 from .families import (FAMILIES, ROPE_TYPES, check_config, hidden_act, layer_types, layer_windows,
                        partial_rotary_factor, rope_parameters, softcaps)
+from .packed_linear import PackedLinear
 
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
@@ -451,8 +452,11 @@ class Transformer(nn.Module):
                 m.ops = ops
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits; Gemma 2's final soft-cap applied in float32."""
-        logits = self.lm_head(hidden).float()
+        """float32 logits; Gemma 2's final soft-cap applied in float32. A packed bfloat16 head returns its float32
+        sums unrounded: logits rounded to bfloat16 (a step of 0.125 at 20) tie and flip between runs that differ
+        by less (kernels/csrc/bf16_linear.cpp); other heads' outputs are widened."""
+        head = self.lm_head
+        logits = head(hidden, float_out=True) if isinstance(head, PackedLinear) else head(hidden).float()
         cap = self.config.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 

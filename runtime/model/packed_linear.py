@@ -60,16 +60,19 @@ class PackedLinear(nn.Module):
     def kernel_name(self) -> str:  # the plan's name for it (runtime/engine/plan.py)
         return f"bfloat16 {self.kernel}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        """x @ W^T + b, rounded to bfloat16; ``float_out``: the float32 sums unrounded (the LM head's logits),
+        where the kernel keeps them (amx, blocks), else the rounded output widened."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         if self.kernel == "blocks":
             y = self.module.bf16_linear(x if x.stride(-1) == 1 else x.contiguous(), self.packed_weight,
-                                        self.out_features, self.bias)
+                                        self.out_features, self.bias, float_out)
         elif self.kernel == "amx":
-            y = self.module.amx_linear(x, self.packed_weight, self.bias)
+            y = self.module.amx_linear(x, self.packed_weight, self.bias, float_out)
         else:
             y = onednn.linear(x, self.packed_weight, self.bias)
+            y = y.float() if float_out else y
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
