@@ -158,9 +158,10 @@ def step_rows(artifact: Path, rounds: int, batch: int, context: int, gen: torch.
                                                                                        "block_bytes": block_bytes}
 
 
-def long_prompt_serving(artifact: Path, requests: int, prompt_tokens: int = 1536, output_tokens: int = 256) -> dict:
+def long_prompt_serving(artifact: Path, requests: int, prompt_tokens: int = 1536, output_tokens: int = 256,
+                        whole: int | None = None) -> dict:
     """``requests`` long prompts at once through one engine per cache format, the memory the bfloat16 cache
-    needs for half of them: the most sequences running in a step, the mean batch of the decode-only steps
+    needs for ``whole`` of them (half by default): the most sequences running in a step, the mean batch of the decode-only steps
     (StepRecord.kind: the sequences decoding at once), and output tok/s over those steps and the whole run."""
     from infer.pipeline.kv_cache import eval_windows
     from infer.runtime import LLM, SamplingParams
@@ -180,7 +181,7 @@ def long_prompt_serving(artifact: Path, requests: int, prompt_tokens: int = 1536
             bs = engine.config.block_size
             per_seq = -(-(prompt_tokens + output_tokens) // bs) * kv_bytes_per_block(engine.model, bs,
                                                                                     engine.model.dtype)
-            memory = requests // 2 * per_seq
+            memory = (whole or requests // 2) * per_seq
             llm.close()
             llm = LLM(artifact, dtype="bfloat16", kv_cache_dtype=name, max_num_seqs=requests,
                       enable_prefix_caching=False, kv_cache_memory=memory)
@@ -300,6 +301,8 @@ def main(argv=None) -> dict:
     p.add_argument("--chat", type=int, default=0, help="chat prompts for greedy agreement (0: skip)")
     p.add_argument("--chat-tokens", type=int, default=128)
     p.add_argument("--long", type=int, default=0, help="long-prompt requests at once (0: skip)")
+    p.add_argument("--long-whole", type=int, default=None,
+                   help="--kv-cache-memory for this many whole long sequences in the bfloat16 cache (half of --long)")
     p.add_argument("--formats", type=int, default=0, help="2048-token windows for the one-byte formats (0: skip)")
     p.add_argument("--json", type=Path, default=RESULTS / "kv_cache.json")
     args = p.parse_args(argv)
@@ -340,7 +343,7 @@ def main(argv=None) -> dict:
             print(f"greedy chat answers, {pair}: agreement {r['greedy_agreement']:.3f}, exact "
                   f"{r['greedy_exact_match']:.3f} over {r['prompts']} prompts")
     if args.long:
-        result["long_prompts"] = long_prompt_serving(args.artifact, args.long)
+        result["long_prompts"] = long_prompt_serving(args.artifact, args.long, whole=args.long_whole)
         for name in ("bfloat16", "int8"):
             r = result["long_prompts"][name]
             print(f"long prompts, {name} cache: {r['max_running']} running at most, {r['mean_decode_batch']} "
