@@ -248,7 +248,8 @@ def _check(c: BuildConfig) -> None:
     if kv.mean_kld_max < 0 or not 0.0 <= kv.top1_agreement_min <= 1.0:
         bad("kv_cache.mean_kld_max", kv.mean_kld_max, "mean_kld_max >= 0 and top1_agreement_min a share in [0, 1]")
     if kv.dtype != "bfloat16" and c.parallel.tp > 1:
-        bad("kv_cache.dtype", kv.dtype, "tensor-parallel runtimes allocate the model's own cache: use bfloat16")
+        bad("kv_cache.dtype", kv.dtype, "the KV gate measures in one process, not on tensor-parallel ranks: build "
+            "with bfloat16 and serve with `infer-run --kv-cache-dtype int8` (each rank then holds its heads in int8)")
     s = c.speculative
     if s.method not in ("off", "ngram"):
         bad("speculative.method", s.method, "off or ngram (a draft artifact is named where it is served: infer-run "
