@@ -158,7 +158,8 @@ def main(argv=None) -> dict:
           f"GFLOP/s ({instruction})")
     for name, a in result["artifacts"].items():
         print(f"{name:40s} decode {a['decode']['median']:6.1f} tok/s ({a['floor_share']['median']:.0%} of floor)  "
-              f"prefill {a['prefill']['median']:6.0f} tok/s ({a['peak_share']['median']:.0%} of peak)  linears {a['linears']}")
+              f"prefill {a['prefill']['median']:6.0f} tok/s ({a['peak_share']['median']:.0%} of peak)  "
+              f"linears {(a['plan'] or {}).get('linears')}")
     if "llama_cpp" in result:
         lc = result["llama_cpp"]
         print(f"{'llama.cpp ' + args.gguf.name:40s} decode {lc['decode']['median']:6.1f} tok/s"

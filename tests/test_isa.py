@@ -121,12 +121,12 @@ def test_the_resolver_names_the_class_it_chose():
         assert described["linear"] in ("blocks", "amx") and described.get("step_layers") == "cpp", described
 
 
-# The test files of the kernels whose code differs by class (attention, int8 and int4 linears, layer ops, the
+# The test files of the kernels whose code differs by class (attention, bfloat16, int8 and int4 linears, layer ops, the
 # one-call step with its prompt chunks, the plan's routes): the suite runs them at this CPU's own class; each class below it runs
 # them again in a process started with INFER_ISA set, so every host checks every path it can execute against its
 # reference (the one-call step against the Python loop's bits).
-KERNEL_TESTS = ("test_kernels.py", "test_int8_linear.py", "test_int4_linear.py", "test_layer_ops.py",
-                "test_fused_step.py", "test_plan.py")
+KERNEL_TESTS = ("test_kernels.py", "test_packed_linear.py", "test_int8_linear.py", "test_int4_linear.py",
+                "test_layer_ops.py", "test_fused_step.py", "test_plan.py")
 
 
 def _lower_classes():
