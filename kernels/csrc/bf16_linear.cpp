@@ -148,8 +148,7 @@ inline void rows_of_block(const uint16_t* x, int64_t ldx, int64_t pairs, const u
 
 }  // namespace
 
-// x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K/2, W, 2] with W 64 or 32 (kernels/bf16_linear.py);
-// bias: float32 [N] or None. Returns [M, N] bfloat16, or float32 sums unrounded where float_out.
+// y = x W^T + bias over every block and row (y: bfloat16 bits or float32 sums)
 template <typename Out>
 void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n, Out* yp) {
   const int64_t m = in.m, pairs = in.pairs, blocks = in.blocks, width = in.width;
@@ -164,19 +163,6 @@ void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tenso
       rows_of_block<2>(xp, ldx, pairs, w, in.bias, yp, blk * width, n, r, r1);
   });
 }
-
-torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
-                          bool float_out = false) {
-  const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
-  auto y = torch::empty({in.m, n}, x.options().dtype(float_out ? at::kFloat : at::kBFloat16));
-  if (float_out)
-    run_blocks(in, x, packed, n, y.data_ptr<float>());
-  else
-    run_blocks(in, x, packed, n, reinterpret_cast<uint16_t*>(y.data_ptr()));
-  return y;
-}
-
-bool available() { return true; }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -396,6 +382,12 @@ void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tenso
   }, m >= kWideMinRows ? kWideItemRows : infer::kRowChunk);
 }
 
+#endif
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+// x: [M, K] bfloat16 with contiguous rows; packed: [ceil(N/W), K/2, W, 2] with W 64 or 32 (kernels/bf16_linear.py);
+// bias: float32 [N] or None. Returns [M, N] bfloat16, or float32 sums unrounded where float_out (run_blocks: the
+// instruction set's path above).
 torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor packed, int64_t n, c10::optional<torch::Tensor> bias,
                           bool float_out = false) {
   const Bf16Inputs in = check_bf16_inputs(x, packed, n, bias);
