@@ -369,27 +369,28 @@ inline void tile16(const float* xf, int64_t k, const int8_t* block, int64_t widt
   }
 }
 
-// y[0:ROWS, 2 vectors of columns from col0] for x in float32 against wf, the slice's weights already widened
-// to float32 (K rows of 2 kLanes); scale: the slice's column scales.
-template <int ROWS>
-inline void tile16_widened(const float* xf, int64_t k, const float* wf, const float* scale, const float* xscale,
-                           const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
-  vf acc[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
+// y[0:ROWS, VS vectors of columns from col0] for x in float32 against wf, the weights already widened to float32
+// (K rows, ldw floats apart, from the slice's first column); scale: the slice's column scales.
+template <int ROWS, int VS>
+inline void tile16_widened(const float* xf, int64_t k, const float* wf, int64_t ldw, const float* scale,
+                           const float* xscale, const float* bias, uint16_t* y, int64_t ldy, int64_t col0, int64_t n) {
+  vf acc[ROWS][VS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < VS; ++j) acc[r][j] = vzero();
   for (int64_t i = 0; i < k; ++i) {
-    const vf w0 = vload(wf + i * 2 * kLanes), w1 = vload(wf + i * 2 * kLanes + kLanes);
+    vf w[VS];
+    for (int j = 0; j < VS; ++j) w[j] = vload(wf + i * ldw + j * kLanes);
     for (int r = 0; r < ROWS; ++r) {
       const vf xb = vbroadcast(xf + r * k + i);
-      acc[r][0] = vfma(xb, w0, acc[r][0]);
-      acc[r][1] = vfma(xb, w1, acc[r][1]);
+      for (int j = 0; j < VS; ++j) acc[r][j] = vfma(xb, w[j], acc[r][j]);
     }
   }
-  alignas(64) float out[ROWS][2][kLanes];  // (as tile16)
+  alignas(64) float out[ROWS][VS][kLanes];  // (as tile16)
 #pragma GCC unroll 64
   for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 2
-    for (int j = 0; j < 2; ++j) vstore(out[r][j], acc[r][j]);
-  for (int j = 0; j < 2; ++j) {
+#pragma GCC unroll 8
+    for (int j = 0; j < VS; ++j) vstore(out[r][j], acc[r][j]);
+  for (int j = 0; j < VS; ++j) {
     const int64_t col = col0 + j * kLanes;
     const vf s = vload(scale + j * kLanes);
     for (int r = 0; r < ROWS; ++r)
@@ -487,22 +488,25 @@ inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, in
       tile16<FP8, 1, V>(xf + r * k, k, block, width, 0, scale, xs(r), bias, y + r * n, n, n0, n);
     return;
   }
-  // Many rows (a prompt chunk): each slice of 2 vectors of columns widened to float32 once (K x 2 kLanes floats,
-  // in cache), then tiles of kWideRows rows x 2 vectors, which then do nothing but FMA: widening in every tile
-  // took as many instructions as its FMAs (a 256-token prefill 0.68x bfloat16's on Zen 3 before).
-  constexpr int kWideRows = kLanes == 16 ? 8 : 4;  // 2 x rows sums, one weight pair and a broadcast live
+  // Many rows (a prompt chunk): the block widened to float32 once (K x width floats, in cache), then tiles that
+  // do nothing but FMA: widening in every tile took as many instructions as its FMAs (a 256-token prefill 0.68x
+  // bfloat16's on Zen 3 before). Tiles as bf16_linear.cpp's widened ones: AVX-512 6 rows x 64 columns or 12 x 32
+  // (24 sums), AVX2 6 x 16 (12 sums); 8 x 32 and 4 x 16 ran W8A16 prefill 0.75x the bfloat16 model's on avx2.
+  constexpr int VS = kLanes == 16 ? V : 2;          // vectors a tile
+  constexpr int kWideRows = kLanes == 16 ? 24 / VS : 6;
   thread_local std::vector<float> wf;
-  wf.resize(k * 2 * kLanes);
-  for (int64_t c0 = 0; c0 < width; c0 += 2 * kLanes) {
-    for (int64_t i = 0; i < k; ++i)
-      for (int j = 0; j < 2; ++j) vstore(wf.data() + i * 2 * kLanes + j * kLanes, widen8<FP8>(block + i * width + c0 + j * kLanes));
+  wf.resize(k * width);
+  for (int64_t i = 0; i < k; ++i)
+    for (int j = 0; j < V; ++j) vstore(wf.data() + i * width + j * kLanes, widen8<FP8>(block + i * width + j * kLanes));
+  for (int64_t c0 = 0; c0 < width; c0 += VS * kLanes) {
     const float* s = scale + c0;
+    const float* w = wf.data() + c0;
     const int64_t col0 = n0 + c0;
     int64_t i = r;
     for (; i + kWideRows <= r1; i += kWideRows)
-      tile16_widened<kWideRows>(xf + i * k, k, wf.data(), s, xs(i), bias, y + i * n, n, col0, n);
-    for (; i + 2 <= r1; i += 2) tile16_widened<2>(xf + i * k, k, wf.data(), s, xs(i), bias, y + i * n, n, col0, n);
-    for (; i < r1; ++i) tile16_widened<1>(xf + i * k, k, wf.data(), s, xs(i), bias, y + i * n, n, col0, n);
+      tile16_widened<kWideRows, VS>(xf + i * k, k, w, width, s, xs(i), bias, y + i * n, n, col0, n);
+    for (; i + 2 <= r1; i += 2) tile16_widened<2, VS>(xf + i * k, k, w, width, s, xs(i), bias, y + i * n, n, col0, n);
+    for (; i < r1; ++i) tile16_widened<1, VS>(xf + i * k, k, w, width, s, xs(i), bias, y + i * n, n, col0, n);
   }
 }
 
