@@ -200,6 +200,24 @@ inline void widen_pairs(const uint16_t* w, vf& even, vf& odd) {
 }
 #endif
 
+// The bias of a vector of columns from col (zero past n, or without a bias): where a tile's sums start.
+inline vf bias_vector(const float* bias, int64_t col, int64_t n) {
+  alignas(64) float b[kLanes] = {};
+  for (int i = 0; i < kLanes; ++i)
+    if (bias != nullptr && col + i < n) b[i] = bias[col + i];
+  return vload(b);
+}
+
+// A vector of sums (out, kLanes floats) into y[0 ..] for the columns from col before n: rounded once to bfloat16,
+// or as they are (float32 out).
+template <typename Out>
+inline void store_sums(Out* y, const float* out, int64_t col, int64_t n) {
+  for (int i = 0; i < kLanes && col + i < n; ++i) {
+    if constexpr (std::is_same_v<Out, float>) y[i] = out[i];
+    else y[i] = infer::from_float<at::BFloat16>(out[i]).x;
+  }
+}
+
 // y[0:ROWS, c0:c0+V*kLanes] = x[0:ROWS] . block columns c0.. + bias; x in float32 (xf, K floats a row),
 // the block `width` columns wide, its first column n0 of the n outputs.
 template <int ROWS, int V, typename Out>
@@ -207,12 +225,8 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
                  const float* bias, Out* y, int64_t ldy, int64_t n0, int64_t n) {
   vf acc[ROWS][V];
   for (int j = 0; j < V; ++j) {
-    alignas(64) float b[kLanes] = {};
-    for (int i = 0; i < kLanes; ++i) {
-      const int64_t col = n0 + c0 + j * kLanes + i;
-      if (bias != nullptr && col < n) b[i] = bias[col];
-    }
-    for (int r = 0; r < ROWS; ++r) acc[r][j] = vload(b);
+    const vf b = bias_vector(bias, n0 + c0 + j * kLanes, n);
+    for (int r = 0; r < ROWS; ++r) acc[r][j] = b;
   }
   const uint16_t* w = block + 2 * c0;
   const int64_t step = 2 * width;  // uint16 a pair row
@@ -235,11 +249,7 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
       alignas(64) float out[kLanes];
       vstore(out, acc[r][j]);
       const int64_t col = n0 + c0 + j * kLanes;
-      Out* yr = y + r * ldy + col;
-      for (int i = 0; i < kLanes && col + i < n; ++i) {
-        if constexpr (std::is_same_v<Out, float>) yr[i] = out[i];
-        else yr[i] = infer::from_float<at::BFloat16>(out[i]).x;
-      }
+      store_sums(y + r * ldy + col, out, col, n);
     }
 }
 
@@ -258,12 +268,8 @@ inline void wide_tile(const float* xf, int64_t k, const float* wf, int64_t width
                       Out* y, int64_t ldy, int64_t n0, int64_t n) {
   vf acc[ROWS][VS];
   for (int j = 0; j < VS; ++j) {
-    alignas(64) float b[kLanes] = {};
-    for (int i = 0; i < kLanes; ++i) {
-      const int64_t col = n0 + c0 + j * kLanes + i;
-      if (bias != nullptr && col < n) b[i] = bias[col];
-    }
-    for (int r = 0; r < ROWS; ++r) acc[r][j] = vload(b);
+    const vf b = bias_vector(bias, n0 + c0 + j * kLanes, n);
+    for (int r = 0; r < ROWS; ++r) acc[r][j] = b;
   }
   const float* w = wf + c0;
   for (int64_t i = 0; i < k; ++i, w += width) {
@@ -282,11 +288,7 @@ inline void wide_tile(const float* xf, int64_t k, const float* wf, int64_t width
   for (int r = 0; r < ROWS; ++r)
     for (int j = 0; j < VS; ++j) {
       const int64_t col = n0 + c0 + j * kLanes;
-      Out* yr = y + r * ldy + col;
-      for (int i = 0; i < kLanes && col + i < n; ++i) {
-        if constexpr (std::is_same_v<Out, float>) yr[i] = out[r][j][i];
-        else yr[i] = infer::from_float<at::BFloat16>(out[r][j][i]).x;
-      }
+      store_sums(y + r * ldy + col, out[r][j], col, n);
     }
 }
 

@@ -299,10 +299,6 @@ class Scheduler:
                 del self.waiting[at]
                 deferred.append(seq)  # its prefix lands in the cache within steps
                 continue
-            if seq.num_preemptions and self.running and not self._room_to_return(seq):
-                self.bm.free_sequence(seq)  # (as below) it waits, and the line behind it, for sequences to finish
-                seq.num_cached_tokens = 0
-                break
             n = seq.num_uncomputed_tokens
             if n > budget:
                 if not self.enable_chunked_prefill and seqs:
@@ -313,7 +309,9 @@ class Scheduler:
                 if room <= 0:
                     break  # this step is as heavy as the decodes it protects allow
                 n = room
-            if not self.bm.can_allocate(seq, n):
+            # a preempted one waits (and the line behind it) for room to finish, not only for its next chunk
+            if not self.bm.can_allocate(seq, n) or (seq.num_preemptions and self.running
+                                                    and not self._room_to_return(seq)):
                 if not self.running and not seqs:
                     # nothing will ever free blocks for it: fail loudly rather than hang
                     self.bm.free_sequence(seq)
