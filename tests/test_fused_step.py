@@ -78,7 +78,10 @@ def test_fused_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact
     fused, plain, counting = _two_engines(embedded_artifact, amx, max_num_batched_tokens=96, prefill_batch_tokens=0)
     text = "".join(topics.values())
     starts = [random.randrange(len(text) - 4000) for _ in range(3)]
-    prompts = [fused.tokenizer.encode(text[s:s + 4000])[:random.randint(20, 300)] for s in starts]
+    # the last prompt is long enough (>= 200 tokens) that after the others' prefill it still needs two more
+    # chunks of the 96-token budget, each sharing its step with their decodes: at least two mixed steps
+    lengths = [random.randint(64, 300), random.randint(20, 300), random.randint(200, 300)]
+    prompts = [fused.tokenizer.encode(text[s:s + 4000])[:n] for s, n in zip(starts, lengths)]
     shared = prompts[0][:64]  # a prefix the cache holds after the first batch
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     for batch in (prompts, prompts[:1], [shared + p[:40] for p in prompts[1:]]):
