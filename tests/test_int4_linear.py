@@ -34,6 +34,7 @@ def _weight(n, k, group, asym, gen):
     (1, 576, 576, 64, False, False),  # a decode row, the embedded model's shapes
     (1, 3072, 576, 64, True, False),
     (3, 100, 192, 32, True, True),  # a partial 32-column block, a bias
+    (2, 232, 256, 64, True, True),  # two rows: blocks in twos, an odd one left, a partial block
     (15, 576, 1536, 128, False, True),  # the last row count that splits blocks in advance
     (16, 960, 576, 64, True, False),  # the first that takes work items from the counter
     (100, 40, 256, 256, False, False),  # per channel (one group), prompt-chunk rows
@@ -63,7 +64,8 @@ def test_int4_linear_matches_float64(m, n, k, group, asym, bias):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m, n, k, group, asym", [(141, 100, 192, 32, True), (37, 64, 512, 128, False)])
+@pytest.mark.parametrize("m, n, k, group, asym", [(141, 100, 192, 32, True), (37, 64, 512, 128, False),
+                                                  (20, 232, 256, 64, True)])
 def test_a_prompt_chunks_rows_are_the_decode_rows_bit_for_bit(m, n, k, group, asym):
     # a prompt chunk widens each block once and sums the same exact products in the same order as a decode
     # step's streaming tiles: every row comes out as it does alone
@@ -77,6 +79,9 @@ def test_a_prompt_chunks_rows_are_the_decode_rows_bit_for_bit(m, n, k, group, as
     chunk = MODULE.int4_linear(x, packed, scales, offsets, n, b)
     alone = torch.cat([MODULE.int4_linear(x[i:i + 1].contiguous(), packed, scales, offsets, n, b) for i in range(m)])
     assert torch.equal(chunk.view(torch.int16), alone.view(torch.int16))
+    for few in (2, 3, 5):  # a few rows (a decode batch, a verify step) give each row its result alone
+        part = MODULE.int4_linear(x[:few].contiguous(), packed, scales, offsets, n, b)
+        assert torch.equal(part.view(torch.int16), alone[:few].view(torch.int16)), few
 
 
 @needs_kernel
