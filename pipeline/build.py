@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -191,4 +192,21 @@ def build(cfg: BuildConfig, publish_artifact: bool = True) -> BuildResult:
         stages += extra
     artifact = publish(final.path, Path(cfg.output_dir))
     log.info("artifact %s %s -> %s", cfg.artifact.name, cfg.artifact.version, artifact)
+    log.info("build report -> %s", write_report(artifact, stages))
     return BuildResult(artifact, stages, evaluation)
+
+
+def report_path(artifact: Path) -> Path:
+    """Where a build's report goes: beside the artifact directory, not in it (the manifest lists every file an
+    artifact holds, and the same recipe must give the same bytes; times and memory differ run to run)."""
+    return artifact.with_name(artifact.name + ".build-report.json")
+
+
+def write_report(artifact: Path, stages: list[StageResult]) -> Path:
+    """Each stage's wall time and peak anonymous memory (stage.PeakMemory) in this run, cached ones marked."""
+    rows = [{"stage": s.name, "key": s.key[:12], "cached": s.cached, "seconds": s.seconds,
+             "peak_anon_gib": None if s.peak_anon_bytes is None else round(s.peak_anon_bytes / 2**30, 3)}
+            for s in stages]
+    path = report_path(artifact)
+    path.write_text(json.dumps({"artifact": str(artifact), "cpus": os.cpu_count(), "stages": rows}, indent=2) + "\n")
+    return path

@@ -20,6 +20,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,6 +65,54 @@ class StageResult:
     cached: bool
     seconds: float
     info: dict
+    peak_anon_bytes: int | None = None  # what this run of the stage held at most (None: cached, or no /proc)
+
+
+def anon_bytes(pid: int | None = None) -> int | None:
+    """Anonymous resident memory of a process and its descendants (``RssAnon``: what the kernel must keep in
+    RAM or swap, unlike ``ru_maxrss``, which also counts mapped file pages such as an mmap-ed checkpoint), or
+    None where /proc is not there."""
+    pid = os.getpid() if pid is None else pid
+    total, todo = 0, [pid]
+    try:
+        while todo:
+            p = todo.pop()
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:")), 0)
+            for tid in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return None if p == pid else total  # no /proc, or a child that ended while being read
+    except OSError:
+        return total
+    return total
+
+
+class PeakMemory:
+    """The most ``anon_bytes`` seen while the block runs, sampled every quarter second on a thread (a stage's
+    peak is brief allocations apart: calibration caches, a compressed copy beside the originals)."""
+
+    def __init__(self, every: float = 0.25):
+        self.every, self.peak, self._stop = every, anon_bytes(), threading.Event()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            now = anon_bytes()
+            if now is not None:
+                self.peak = max(self.peak or 0, now)
+
+    def __enter__(self) -> "PeakMemory":
+        if self.peak is not None:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.peak is not None:
+            self._thread.join()
+            self.peak = max(self.peak, anon_bytes() or 0)
 
 
 def run_stage(cache_dir: Path, name: str, inputs: dict, fn: Callable[[Path], dict | None]) -> StageResult:
@@ -82,7 +131,8 @@ def run_stage(cache_dir: Path, name: str, inputs: dict, fn: Callable[[Path], dic
     start = time.perf_counter()
     try:
         pause_point(f"{name}:started")
-        info = fn(tmp) or {}
+        with PeakMemory() as memory:
+            info = fn(tmp) or {}
         seconds = round(time.perf_counter() - start, 3)
         (tmp / DONE).write_text(json.dumps({"stage": name, "key": key, "inputs": inputs, "seconds": seconds, "info": info},
                                            indent=2, sort_keys=True, default=str))
@@ -92,8 +142,10 @@ def run_stage(cache_dir: Path, name: str, inputs: dict, fn: Callable[[Path], dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("stage %-9s done    in %.1fs", name, seconds)
-    return StageResult(name, key, final, False, seconds, info)
+    peak = memory.peak
+    log.info("stage %-9s done    in %.1fs%s", name, seconds,
+             "" if peak is None else f", peak anonymous memory {peak / 2**30:.2f} GiB")
+    return StageResult(name, key, final, False, seconds, info, peak)
 
 
 def progress(items: Iterable, desc: str, total: int | None = None):

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,9 +93,16 @@ def test_cli_build_is_cached_and_byte_identical(tmp_path):
     first = run_cli("infer-build", f"output_dir={out1}", f"cache_dir={cache}")
     assert first.returncode == 0, first.stderr
     assert "stage load      running" in first.stderr
+    # each stage that ran says its time and peak memory, in the log and in a report beside the artifact
+    assert re.search(r"stage load      done    in [0-9.]+s, peak anonymous memory [0-9.]+ GiB", first.stderr)
+    report = json.loads((tmp_path / "a1.build-report.json").read_text())
+    assert [r["stage"] for r in report["stages"]][:2] == ["load", "package"]
+    assert all(not r["cached"] and r["seconds"] > 0 and r["peak_anon_gib"] > 0.05 for r in report["stages"])
     second = run_cli("infer-build", f"output_dir={out2}", f"cache_dir={cache}")
     assert second.returncode == 0, second.stderr
     assert "stage load      cached" in second.stderr and "stage package   cached" in second.stderr
+    assert all(r["cached"] and r["peak_anon_gib"] is None
+               for r in json.loads((tmp_path / "a2.build-report.json").read_text())["stages"])
     names = sorted(p.name for p in out1.iterdir())
     assert names == sorted(p.name for p in out2.iterdir())
     for name in names:
@@ -107,6 +118,27 @@ def test_cli_build_is_cached_and_byte_identical(tmp_path):
     assert third.returncode == 0
     assert {n for n in names if (out1 / n).read_bytes() != (out2 / n).read_bytes()} <= {"tuning.json", "manifest.json"}
     assert (out1 / "model.safetensors").read_bytes() == (out2 / "model.safetensors").read_bytes()
+
+
+def test_a_stages_peak_memory_counts_what_it_and_its_children_held_at_most():
+    from infer.pipeline.stage import PeakMemory, anon_bytes
+
+    before = anon_bytes()
+    assert before is not None and before > 0
+    with PeakMemory(every=0.01) as memory:
+        block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, written, then given back
+        time.sleep(0.1)
+        del block
+    assert memory.peak - before >= 48 << 20, (memory.peak, before)
+    assert anon_bytes() < memory.peak - (32 << 20)
+    child = ("import sys, time; b = bytearray(96 << 20); sys.stdout.write('ready\\n'); sys.stdout.flush(); "
+             "time.sleep(0.5)")
+    with PeakMemory(every=0.01) as memory:
+        proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "ready\n"
+        time.sleep(0.2)
+        proc.wait()
+    assert memory.peak - before >= 80 << 20, (memory.peak, before)
 
 
 def test_interrupted_build_publishes_nothing_and_resumes(tmp_path, monkeypatch):
