@@ -286,6 +286,33 @@ def calibration_windows(cfg: BuildConfig, tokenizer_dir: Path) -> tuple[list[lis
 
 
 @contextlib.contextmanager
+def _layer_progress(layers: int):
+    """Logs each calibrated piece with the time it took and an estimate of the time left. llm-compressor's
+    sequential pipeline calibrates one subgraph at a time (a decoder layer each, then what follows the last)
+    and restarts its progress bars for each; a 7B build runs for hours, so the stage says how many."""
+    import time
+
+    from llmcompressor.core import LifecycleCallbacks
+
+    original = LifecycleCallbacks.__dict__["sequential_epoch_end"]
+    total, start, done = layers + 1, time.perf_counter(), [0]
+
+    def epoch_end(*args, **kwargs):
+        result = original.__get__(None, LifecycleCallbacks)(*args, **kwargs)
+        done[0] += 1
+        each = (time.perf_counter() - start) / done[0]
+        log.info("quantize: %d/%d subgraphs calibrated (one a decoder layer), %.1f s each, about %.1f min left",
+                 done[0], total, each, max(total - done[0], 0) * each / 60)
+        return result
+
+    LifecycleCallbacks.sequential_epoch_end = epoch_end
+    try:
+        yield
+    finally:
+        LifecycleCallbacks.sequential_epoch_end = original
+
+
+@contextlib.contextmanager
 def _cpu_safe_awq():
     """AWQ pins its cached activations for faster host-to-device copies; without an accelerator
     ``pin_memory`` raises ("Cannot access accelerator device when none is available"). Pinning is a
@@ -377,7 +404,7 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
     # families are refused the smoothing methods (ONE_PLUS_NORMS), so their norms go back as they came
     norms = ({n: t.detach().clone() for n, t in model.named_parameters() if n.endswith("norm.weight")}
              if config.get("model_type") in ONE_PLUS_NORMS else {})
-    with _cpu_safe_awq():
+    with _cpu_safe_awq(), _layer_progress(config["num_hidden_layers"]):
         oneshot(model=model, dataset=dataset, recipe=_modifiers(p, cfg),
                 num_calibration_samples=len(windows) if dataset is not None else 0,
                 max_seq_length=cfg.calib.seq_len, shuffle_calibration_samples=False,

@@ -157,16 +157,24 @@ def test_bad_bits_is_a_recipe_error_and_the_cli_names_the_key(tmp_path, cache_di
 # ---------------------------------------------------------------------------- every scheme builds and serves
 
 @pytest.mark.parametrize("method", ["gptq", "awq", "w8a8", "fp8"])
-def test_scheme_builds_and_serves(method, tiny_checkpoint, tmp_path, cache_dir):
+def test_scheme_builds_and_serves(method, tiny_checkpoint, tmp_path, cache_dir, caplog):
+    import logging
+
     import transformers
 
     from infer.runtime import LLM, SamplingParams
     from infer.runtime.model import load_model
     from infer.runtime.model.quant_linear import quantized_modules
 
+    caplog.set_level(logging.INFO, logger="infer.build")
     result = _build(_tiny(method, tiny_checkpoint), tmp_path / method, cache_dir)
     art = result.artifact
     assert [s.name for s in result.stages][:3] == ["load", "quantize", "package"]
+    # calibration says how far it is and how long is left, a subgraph (decoder layer) at a time
+    progress = [r.getMessage() for r in caplog.records if "subgraphs calibrated" in r.getMessage()]
+    if method != "fp8":  # data-free: no calibration pass
+        assert [m.split(" subgraphs")[0] for m in progress] == ["quantize: 1/3", "quantize: 2/3", "quantize: 3/3"]
+        assert progress[-1].endswith("about 0.0 min left")
     config = json.loads((art / "config.json").read_text())
     q = config["quantization_config"]
     assert q["quant_method"] == "compressed-tensors" and q["format"] == FORMATS[method]
