@@ -106,3 +106,38 @@ def test_int4_linear_refuses_what_it_was_not_packed_for():
             call()
     with pytest.raises(ValueError, match="K must be a multiple of 8 x groups"):
         int4_linear.pack(torch.zeros(8, 100, dtype=torch.int8), torch.ones(8, 3), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, groups, asym", [(100, 192, 6, True), (576, 576, 9, False), (3, 64, 1, False)])
+def test_a_checkpoints_stored_words_pack_as_its_values_do(n, k, groups, asym):
+    # a compressed-tensors checkpoint's 4-bit words (compressed-tensors' own packer writes them) repacked word by
+    # word, and the values packed, give the layout the kernel's docstring states, written out here nibble by
+    # nibble in int64; padding columns (u = 8 everywhere) included
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from infer.runtime.model.compressed_tensors import unpack_int32
+
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (n, k), generator=gen, dtype=torch.int8)
+    q[0, :8] = torch.tensor([-8, 7, -8, 7, 0, -1, 1, 7], dtype=torch.int8)  # the extremes, in every place of a word
+    scale = torch.rand(n, groups, generator=gen)
+    zero = torch.randint(-3, 4, (n, groups), generator=gen).to(torch.int8) if asym else None
+    words = pack_to_int32(q, 4)
+    assert torch.equal(unpack_int32(words, 4, k), q)  # the reader agrees with the writer
+    blocks = -(-n // 32)
+    u = torch.full((blocks * 32, k), 8, dtype=torch.int64)
+    u[:n] = q.long() + 8
+    want = torch.zeros(blocks * 32, k // 8, dtype=torch.int64)
+    for j in range(4):
+        want |= u[:, 2 * j::8] << (4 * j) | u[:, 2 * j + 1::8] << (16 + 4 * j)
+    want = (want - (want >= 2**31) * 2**32).to(torch.int32).view(blocks, 32, k // 8).transpose(1, 2)
+    from_words = int4_linear.pack_words(words, k, scale, zero)
+    from_values = int4_linear.pack(q, scale, zero)
+    assert torch.equal(from_words[0], want) and torch.equal(from_values[0], want)
+    for a, b in zip(from_words[1:], from_values[1:], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
+    with pytest.raises(ValueError, match="do not fit the kernel"):
+        int4_linear.pack_words(words[:, :-1], k, scale, zero)

@@ -114,7 +114,7 @@ def _float64_dequant(self, x):
 
     from infer.runtime.model.quant_linear import fake_quantize_activations
 
-    w = replace(self.w, q=self.q, scale=self.scale, zero=getattr(self, "zero", None), g_idx=getattr(self, "g_idx", None))
+    w = replace(self.w, values=self.q, words=None, shape=None, scale=self.scale, zero=getattr(self, "zero", None), g_idx=getattr(self, "g_idx", None))
     if w.inputs is not None:
         x = fake_quantize_activations(x, w.inputs, getattr(self, "input_scale", None))
     return (x.double() @ w.dequantize(torch.float64).t()).to(x.dtype)

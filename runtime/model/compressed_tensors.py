@@ -47,19 +47,30 @@ class QuantWeight:
     """One quantized linear's weight: integer (or fp8) values and how to scale them back."""
     weights: Args
     inputs: Args | None  # activation quantization, None for weight-only schemes
-    q: torch.Tensor  # [N, K]: int8 holding signed integer values, or float8_e4m3fn
+    values: torch.Tensor | None  # [N, K]: int8 holding signed integer values, or float8_e4m3fn (see ``q``)
     scale: torch.Tensor  # [N, groups] (channel: groups=1), float
     zero: torch.Tensor | None = None  # [N, groups] int8 signed zero points (asymmetric)
     g_idx: torch.Tensor | None = None  # [K] group of each input column (activation order)
     input_scale: torch.Tensor | None = None  # static activation scale (per tensor)
+    # 4-bit pack-quantized weights as stored: [N, K/8] int32 words, 8 values q + 8 a word, little end first. Kept
+    # so that a kernel with a nibble layout of its own repacks them word by word (kernels/int4_linear.py's
+    # pack_words); ``values`` (None until then) is unpacked from them only where something reads ``q``.
+    words: torch.Tensor | None = None
+    shape: tuple[int, int] | None = None  # [N, K] of ``words``
+
+    @property
+    def q(self) -> torch.Tensor:
+        if self.values is None:
+            self.values = unpack_int32(self.words, 4, self.shape[1])
+        return self.values
 
     @property
     def out_features(self) -> int:
-        return self.q.shape[0]
+        return self.shape[0] if self.values is None else self.values.shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.q.shape[1]
+        return self.shape[1] if self.values is None else self.values.shape[1]
 
     @property
     def group_size(self) -> int:
@@ -82,8 +93,12 @@ class QuantWeight:
             raise ValueError("fused projections use different group sizes")
         zero = None if first.zero is None else torch.cat([p.zero for p in parts])
         ins = [p.input_scale for p in parts if p.input_scale is not None]
+        input_scale = torch.stack([s.reshape(()) for s in ins]).max() if ins else None
+        if all(p.values is None for p in parts):  # still as stored: the words fuse as the values would
+            return QuantWeight(first.weights, first.inputs, None, torch.cat(scales), zero, first.g_idx, input_scale,
+                               torch.cat([p.words for p in parts]), (sum(p.out_features for p in parts), first.in_features))
         return QuantWeight(first.weights, first.inputs, torch.cat([p.q for p in parts]), torch.cat(scales), zero,
-                           first.g_idx, torch.stack([s.reshape(()) for s in ins]).max() if ins else None)
+                           first.g_idx, input_scale)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The float weight [N, K] (one layer's worth: used per call by the fallback, or for fusing)."""
@@ -154,10 +169,14 @@ def read_quantized(hf: dict[str, torch.Tensor], qcfg: dict, name: str) -> QuantW
     if p + "weight_global_scale" in hf:
         raise ValueError(f"{name}: NVFP4-style global scales are not supported")
     scale = hf.pop(p + "weight_scale")
+    words = None
     if p + "weight_packed" in hf:
         packed = hf.pop(p + "weight_packed")
         shape = hf.pop(p + "weight_shape").tolist()
-        q = unpack_int32(packed, wargs.num_bits, int(shape[1]))
+        if wargs.num_bits == 4 and packed.dtype == torch.int32 and packed.shape == (shape[0], -(-shape[1] // 8)):
+            words, q = packed.contiguous(), None  # unpacked only if something reads QuantWeight.q
+        else:
+            q = unpack_int32(packed, wargs.num_bits, int(shape[1]))
         zero = hf.pop(p + "weight_zero_point", None)
         if zero is not None:
             zero = unpack_int32(zero, wargs.num_bits, int(shape[0]), dim=0) if zero.dtype == torch.int32 else zero.to(torch.int8)
@@ -168,16 +187,16 @@ def read_quantized(hf: dict[str, torch.Tensor], qcfg: dict, name: str) -> QuantW
             zero = None
         if zero is not None:
             zero = zero.to(torch.int8)
-    if q.dtype not in (torch.int8, torch.float8_e4m3fn):
+    if q is not None and q.dtype not in (torch.int8, torch.float8_e4m3fn):
         raise ValueError(f"{name}: weight dtype {q.dtype} is not a quantized one (format {fmt})")
-    n = q.shape[0]
+    n, k = (int(shape[0]), int(shape[1])) if q is None else q.shape
     scale = scale.reshape(n, -1) if scale.numel() >= n else scale.reshape(1, 1).expand(n, 1).contiguous()
     if zero is not None:
         zero = zero.reshape(n, -1) if zero.numel() >= n else zero.reshape(1, 1).expand(n, 1).contiguous()
     g_idx = hf.pop(p + "weight_g_idx", None)
     if g_idx is not None and scale.shape[1] > 1:
-        gs = q.shape[1] // scale.shape[1]
-        if torch.equal(g_idx.long(), torch.arange(q.shape[1]) // gs):
+        gs = k // scale.shape[1]
+        if torch.equal(g_idx.long(), torch.arange(k) // gs):
             g_idx = None  # the trivial order: plain groups
     input_scale = hf.pop(p + "input_scale", None)
     hf.pop(p + "input_zero_point", None)
@@ -185,5 +204,7 @@ def read_quantized(hf: dict[str, torch.Tensor], qcfg: dict, name: str) -> QuantW
         raise ValueError(f"{name}: static activation quantization without an input_scale")
     if iargs is not None and not iargs.symmetric:
         raise ValueError(f"{name}: asymmetric activation quantization is not supported")
-    return QuantWeight(wargs, iargs, q.contiguous(), scale, zero, None if g_idx is None else g_idx.to(torch.int32),
-                       None if iargs is None or iargs.dynamic else input_scale.float().reshape(()))
+    return QuantWeight(wargs, iargs, None if q is None else q.contiguous(), scale, zero,
+                       None if g_idx is None else g_idx.to(torch.int32),
+                       None if iargs is None or iargs.dynamic else input_scale.float().reshape(()),
+                       words, None if words is None else (n, k))

@@ -112,7 +112,7 @@ def store_partial_rotary(state: dict[str, torch.Tensor], quantized: dict[str, Qu
                 state[key] = state[key][rows]
         if name in quantized:
             w = quantized[name]
-            quantized[name] = dataclasses.replace(w, q=w.q[rows], scale=w.scale[rows],
+            quantized[name] = dataclasses.replace(w, values=w.q[rows], words=None, shape=None, scale=w.scale[rows],
                                                   zero=None if w.zero is None else w.zero[rows])
         for norm in ("q_norm", "k_norm"):
             key = f"layers.{i}.self_attn.{norm}.weight"

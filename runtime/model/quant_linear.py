@@ -159,12 +159,15 @@ class Int4BlocksLinear(QuantLinear):
 
         super().__init__(w, bias, dtype)
         self.module = int4_linear.load()
-        q, perm = w.q, None
+        perm = None
         if w.g_idx is not None:  # activation order: sort columns by group so groups are contiguous
             perm = torch.argsort(w.g_idx.long(), stable=True)
-            q = q[:, perm]
+            packed, scales, offsets = int4_linear.pack(w.q[:, perm], w.scale, w.zero)
+        elif w.values is None:  # the checkpoint's words, repacked word by word (no int8 values in between)
+            packed, scales, offsets = int4_linear.pack_words(w.words, w.in_features, w.scale, w.zero)
+        else:
+            packed, scales, offsets = int4_linear.pack(w.q, w.scale, w.zero)
         self.register_buffer("perm", perm, persistent=False)
-        packed, scales, offsets = int4_linear.pack(q, w.scale, w.zero)
         self.register_buffer("packed", packed, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("offsets", offsets, persistent=False)
@@ -430,7 +433,7 @@ class DequantLinear(QuantLinear):
                 self.register_buffer(k, getattr(w, k), persistent=False)
 
     def matmul(self, x):
-        w = replace(self.w, q=self.q, scale=self.scale, zero=getattr(self, "zero", None),
+        w = replace(self.w, values=self.q, words=None, shape=None, scale=self.scale, zero=getattr(self, "zero", None),
                     g_idx=getattr(self, "g_idx", None))
         if w.inputs is not None:
             x = fake_quantize_activations(x, w.inputs, getattr(self, "input_scale", None))

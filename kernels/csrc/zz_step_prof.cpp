@@ -1,0 +1,223 @@
+// Every decoder layer of a step, in one call: the same kernels the model calls one by one (layer_ops,
+// paged decode attention, the chunk attention and linears on AMX tiles or AVX-512 BF16, int4 and int8 linears), from C++.
+//
+// At batch 1 a step streams 270 MB of weights in about 9 ms; called from Python, the ~13 kernel
+// calls a layer (each a module call, a pybind crossing and a few tensor views) added about 3 ms more
+// on a Zen 4 host. Here a layer is a dozen direct C++ calls. This file includes the kernels' own
+// sources (their modules switched off), so there is one copy of each kernel, each compiled as it is
+// on its own: no contraction for the layer ops (they round exactly where torch rounds), GCC's default
+// contraction for the attention kernels and linears, none with fast-math, so a fused step computes the same
+// bits as the Python loop.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+#include <chrono>
+static double g_t[8]; static inline double now_us(){return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "chunk_checks.h"
+#include "float_storage.h"
+#include "simd_math.h"
+#include "work_split.h"
+
+#define INFER_NO_MODULE
+namespace layer_ops {
+#include "layer_ops.cpp"
+}
+// Every kernel below is built on its own with GCC's default contraction (fp-contract=fast), which this
+// module's -ffp-contract=off (for the layer ops above) would otherwise turn off: a multiply-add fused in one
+// build and not in the other gives last-bit differences that a bfloat16 rounding now and then turns into a
+// different value. None is built with -ffast-math: a pragma cannot reproduce that flag (the shared headers
+// above are compiled before it), and the decode attention built both ways gave the Python loop and this
+// step different bits on 3 of 6 seeds of tests/test_fused_step.py's random Qwen2 models.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+namespace attention {
+#include "paged_attention.cpp"
+}
+namespace chunk {
+#include "bf16_attention.cpp"
+}
+namespace linear {
+#include "bf16_linear.cpp"
+}
+namespace int4 {
+#include "int4_linear.cpp"
+}
+namespace int8 {
+#include "int8_linear.cpp"
+}
+// AMX tiles where the build targets them (kernels/step_layers.py adds the flags on a CPU with AMX)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define INFER_STEP_AMX 1
+#include "amx_tiles.h"
+namespace amx {
+#include "amx_linear.cpp"
+}
+namespace amx_chunk {
+#include "amx_attention.cpp"
+}
+constexpr bool kHasAmx = true;
+#else
+constexpr bool kHasAmx = false;
+#endif
+#pragma GCC pop_options
+
+// input norm, qkv bias (or empty), post norm, then qkv, o, gate_up, down as LINEAR_SLOTS tensors each
+constexpr int WEIGHTS_PER_LAYER = 3 + 4 * 3;
+// bfloat16: packed, empty, empty; int4: packed, scales, offsets (or empty); int8 (W8A16): packed, scales, empty;
+// int8 (W8A8): packed, scales, column sums; fp8 (uint8 e4m3 bytes): packed, scales, empty
+constexpr int LINEAR_SLOTS = 3;
+
+// A linear as the model runs it: AMX tiles for a bfloat16 weight packed as tiles ([N/16, K/32, 16, 32], bias
+// bfloat16), the AVX-512 BF16 kernel for one packed in column blocks ([blocks, K/2, width, 2], bias float32),
+// the int4 one for int32 words, the int8 ones for int8 codes ([blocks, K, W]: W8A16; [blocks, K/4, W, 4]: W8A8),
+// the fp8 one for e4m3 bytes (uint8 [blocks, K, W]).
+// Each linear is dispatched on its own weight, so float, int4 and int8 linears mix in one model.
+torch::Tensor run_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t n, c10::optional<torch::Tensor> bias) {
+  if (w[0].scalar_type() == at::kChar) {
+    if (w[0].dim() == 4) return int8::w8a8_linear(x, w[0], w[1], w[2], n, bias);
+    return int8::int8_linear(x, w[0], w[1], n, bias);
+  }
+  if (w[0].scalar_type() == at::kByte) return int8::fp8_linear(x, w[0], w[1], n, bias);
+  if (w[0].scalar_type() == at::kBFloat16 && w[0].dim() == 4 && w[0].size(3) != 2) {
+#ifdef INFER_STEP_AMX
+    return amx::amx_linear(x, w[0], bias);
+#else
+    TORCH_CHECK(false, "step_layers: an AMX-packed weight, but this build has no AMX (kernels/step_layers.py)");
+#endif
+  }
+  if (w[0].scalar_type() == at::kBFloat16) return linear::bf16_linear(x, w[0], n, bias);
+  c10::optional<torch::Tensor> offsets;
+  if (w[2].numel() > 0) offsets = w[2];
+  return int4::int4_linear(x, w[0], w[1], offsets, n, bias);
+}
+
+// One layer's attention over the paged cache, as runtime/engine/attention.py's PagedAttention runs it
+// with the C++ kernels: a decode-only step (no chunks) in one decode call over every row; otherwise
+// the prompt chunks by the chunk kernel (AMX tiles' where amx_chunks, else AVX-512 BF16's) and the
+// decode rows (gathered) by the decode one.
+torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const torch::Tensor& chunk_starts, const torch::Tensor& chunk_lengths,
+                     const torch::Tensor& chunk_cached, const torch::Tensor& chunk_tables,
+                     const torch::Tensor& decode_rows, const torch::Tensor& block_tables,
+                     const torch::Tensor& context_lens, const c10::optional<torch::Tensor>& starts, double scale,
+                     bool amx_chunks) {
+  if (chunk_starts.numel() == 0)
+    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, starts);
+  torch::Tensor out = torch::empty(q.sizes(), q.options());
+  if (amx_chunks) {
+#ifdef INFER_STEP_AMX
+    amx_chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
+                               scale);
+#else
+    TORCH_CHECK(false, "step_layers: amx_chunks, but this build has no AMX (kernels/step_layers.py)");
+#endif
+  } else {
+    chunk::chunk_attention(q, k_cache, v_cache, out, chunk_starts, chunk_lengths, chunk_cached, chunk_tables, scale);
+  }
+  if (decode_rows.numel() > 0) {
+    torch::Tensor od = attention::paged_decode_attention(q.index_select(0, decode_rows), k_cache, v_cache,
+                                                         block_tables, context_lens, scale, starts);
+    out.index_copy_(0, decode_rows, od);
+  }
+  return out;
+}
+
+// x: the step's embeddings [T, H] bfloat16 (read only); returns the last layer's output, and fills
+// residual ([T, H], like x) with the residual stream. weights: WEIGHTS_PER_LAYER tensors a layer, the linears
+// packed by kernels/amx_linear.py, bf16_linear.py or int4_linear.py.
+// kv_cache [layers, 2, blocks, block_size, kv_heads, d];
+// slots, positions [T]; cos, sin: float32 [positions, d]. Prompt chunks (none: every row is a decode):
+// chunk_starts, chunk_lengths, chunk_cached [C] (first row, rows this step, tokens cached before),
+// chunk_tables [C, W]. Decodes: decode_rows [D] (their rows; ignored without chunks), block_tables
+// [D, W'], context_lens [D]. amx_chunks: the chunks on AMX tiles (what the engine runs where AMX is on).
+// Sliding windows: decode_starts [D] (each decode's window's first position) and window_layers [layers] bool
+// (the layers that read them), or both empty.
+torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<torch::Tensor> weights,
+                          torch::Tensor kv_cache, torch::Tensor slots, torch::Tensor positions, torch::Tensor cos,
+                          torch::Tensor sin, torch::Tensor chunk_starts, torch::Tensor chunk_lengths,
+                          torch::Tensor chunk_cached, torch::Tensor chunk_tables, torch::Tensor decode_rows,
+                          torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor decode_starts,
+                          torch::Tensor window_layers, bool amx_chunks, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
+              "step_layers: x must be contiguous [T, H] bfloat16");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() && residual.scalar_type() == x.scalar_type(),
+              "step_layers: residual must be like x");
+  const int64_t layers = static_cast<int64_t>(weights.size()) / WEIGHTS_PER_LAYER;
+  TORCH_CHECK(layers * WEIGHTS_PER_LAYER == static_cast<int64_t>(weights.size()) && kv_cache.dim() == 6 &&
+                  kv_cache.size(0) == layers,
+              "step_layers: ", WEIGHTS_PER_LAYER, " weights a layer and a KV cache of as many layers");
+  TORCH_CHECK(chunk_starts.numel() > 0 || block_tables.size(0) == x.size(0),
+              "step_layers: a step without prompt chunks must have every row a decode");
+  TORCH_CHECK(window_layers.numel() == 0 || (window_layers.numel() == layers &&
+                                              window_layers.scalar_type() == at::kBool &&
+                                              decode_starts.size(0) == block_tables.size(0)),
+              "step_layers: window_layers must be [layers] bool with decode_starts [decodes], or both empty");
+  window_layers = window_layers.contiguous();
+  const bool* windowed = window_layers.numel() ? window_layers.data_ptr<bool>() : nullptr;
+  const int64_t rows = x.size(0), hidden = x.size(1);
+  const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim, qkv_size = q_size + 2 * kv_size;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  torch::Tensor h = x;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * WEIGHTS_PER_LAYER;
+    double t0 = now_us();
+    if (l == 0) {
+      residual.copy_(h);
+      h = layer_ops::rms_norm(residual, w[0], eps);
+    } else {
+      layer_ops::add_rms_norm_(h, residual, w[0], eps);  // residual += h; h = norm(residual)
+    }
+    c10::optional<torch::Tensor> bias;
+    if (w[1].defined() && w[1].numel() > 0) bias = w[1];
+    const torch::Tensor* lin = w + 3;  // qkv, o, gate_up, down
+    double t1 = now_us(); g_t[0] += t1 - t0;
+    torch::Tensor qkv = run_linear(h, lin, qkv_size, bias);
+    double t2 = now_us(); g_t[1] += t2 - t1;
+    layer_ops::rotary_(qkv, positions, cos, sin, heads + kv_heads, head_dim);
+    torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads, head_dim});
+    torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({rows, kv_heads, head_dim});
+    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, head_dim});
+    torch::Tensor k_cache = kv_cache.select(0, l).select(0, 0), v_cache = kv_cache.select(0, l).select(0, 1);
+    attention::store_kv_(k_cache, v_cache, slots, k, v);
+    double t3 = now_us(); g_t[2] += t3 - t2;
+    torch::Tensor attn = attend(q, k_cache, v_cache, chunk_starts, chunk_lengths, chunk_cached, chunk_tables,
+                                decode_rows, block_tables, context_lens,
+                                windowed && windowed[l] ? c10::optional<torch::Tensor>(decode_starts) : c10::nullopt,
+                                scale, amx_chunks);
+    double t4 = now_us(); g_t[3] += t4 - t3;
+    torch::Tensor o = run_linear(attn.view({rows, q_size}), lin + LINEAR_SLOTS, hidden, c10::nullopt);
+    double t5 = now_us(); g_t[4] += t5 - t4;
+    layer_ops::add_rms_norm_(o, residual, w[2], eps);
+    double t6 = now_us(); g_t[0] += t6 - t5;
+    torch::Tensor gu = run_linear(o, lin + 2 * LINEAR_SLOTS, 2 * intermediate, c10::nullopt);
+    double t7 = now_us(); g_t[5] += t7 - t6;
+    torch::Tensor act = layer_ops::silu_mul(gu);
+    double t8 = now_us(); g_t[0] += t8 - t7;
+    h = run_linear(act, lin + 3 * LINEAR_SLOTS, hidden, c10::nullopt);
+    g_t[6] += now_us() - t8;
+  }
+  return h;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
+  m.def("step_layers", &step_layers, "every decoder layer of a step: prompt chunks and decodes (CPU, bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("times", [] { std::vector<double> v(g_t, g_t + 8); for (auto& x : g_t) x = 0; return v; });
+  m.def("available", [] { return linear::available(); }, "whether the column-block linears are built in");
+  m.def("has_chunk_attention", [] { return chunk::available(); },
+        "whether the AVX-512 BF16 chunk attention is built in (without it, steps with prompt chunks stay in Python)");
+  m.def("has_amx", [] { return kHasAmx; }, "whether the AMX linears and chunk attention are built in");
+}
