@@ -60,6 +60,10 @@ class QuantSpec:
     # order, the first passing kept (pipeline/gate.py, choose_and_build)
     smoothing_strength: Any = 0.8
     dampening_frac: float = 0.01  # GPTQ Hessian dampening
+    # the most GiB of the model's weights the quantize stage holds in memory; a larger checkpoint's layers wait on
+    # disk (compressed-tensors' disk offload, in the stage's temporary directory) and are read in as calibrated.
+    # None: 40% of this machine's RAM. Not part of the stage key: where the weights wait does not change a byte.
+    memory_gib: float | None = None
     # layers quantized at wide_bits (int8 per channel, weight-only) instead of bits: a second config group
     wide_layers: list[str] = field(default_factory=list)
     wide_bits: int = 8
@@ -234,6 +238,8 @@ def _check(c: BuildConfig) -> None:
             bad("quant.auto_steps", q.auto_steps, "increasing shares of the size budget in (0, 1], e.g. [0.25, 0.5, 1.0]")
         if not 0.0 <= q.dampening_frac < 1.0:
             bad("quant.dampening_frac", q.dampening_frac, "must be in [0, 1)")
+        if q.memory_gib is not None and not q.memory_gib > 0:
+            bad("quant.memory_gib", q.memory_gib, "GiB of weights held in memory, > 0 (null: 40% of this machine's RAM)")
         if c.calib.samples < 1:
             bad("calib.samples", c.calib.samples, "must be >= 1")
         if c.calib.seq_len < 16:

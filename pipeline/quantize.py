@@ -29,7 +29,10 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -391,9 +394,20 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
              f"{len(windows)} x {len(windows[0])} tokens" if p.needs_calibration else "none (data-free)")
     torch.manual_seed(cfg.calib.seed)
     start = time.perf_counter()
-    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, low_cpu_mem_usage=True,
-                                                              **hf_attention(config))
-    model.eval()
+    with _weights_within(checkpoint, cfg, out) as placement:
+        model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch_dtype, low_cpu_mem_usage=True,
+                                                                  **placement, **hf_attention(config))
+        model.eval()
+        return _calibrate_and_save(model, checkpoint, out, cfg, p, windows, config, start)
+
+
+def _calibrate_and_save(model, checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, windows: list[list[int]],
+                        config: dict, start: float) -> dict:
+    import time
+
+    import torch
+    from datasets import Dataset
+
     dataset = None
     if p.needs_calibration:
         dataset = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
@@ -413,11 +427,41 @@ def quantize(checkpoint: Path, out: Path, cfg: BuildConfig, p: QuantPlan, window
         for name, weight in norms.items():
             model.get_parameter(name).copy_(weight)
     calibrated = time.perf_counter() - start
-    model.save_pretrained(out, save_compressed=True)
+    model.save_pretrained(out, save_compressed=True, max_shard_size="2GB")  # a shard's worth in memory at a time
     copy_carried_files(checkpoint, out)  # the source's tokenizer files, byte for byte
     _normalise_config(out, config)
     return {"method": p.method, "format": p.format, "oneshot_seconds": round(calibrated, 3),
             "quantized_layers": len(p.targets)}
+
+
+def memory_budget(cfg: BuildConfig) -> int:
+    """Bytes of weights the quantize stage may hold in memory (quant.memory_gib, else 40% of RAM)."""
+    if cfg.quant.memory_gib is not None:
+        return int(cfg.quant.memory_gib * 2**30)
+    return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+@contextlib.contextmanager
+def _weights_within(checkpoint: Path, cfg: BuildConfig, out: Path):
+    """from_pretrained's placement arguments: none when the checkpoint fits the budget; otherwise as many layers
+    as fit stay in memory and the rest wait on disk, in a folder beside the stage's output that goes with it.
+    Without this a 7B bfloat16 model (15 GB) was resident whole, and every layer the calibration rewrote
+    (AWQ's scales) stayed in anonymous memory besides: ~0.7 GiB more a layer, ~20 GiB by the last of 28,
+    before the compressed copy is written."""
+    size, budget = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")), memory_budget(cfg)
+    if size <= budget:
+        yield {}
+        return
+    from compressed_tensors.offload import load_offloaded_model
+
+    folder = Path(tempfile.mkdtemp(prefix=".offload-", dir=out.parent))
+    log.info("quantize: %.1f GiB of weights against a budget of %.1f GiB (quant.memory_gib): layers beyond it wait "
+             "on disk in %s", size / 2**30, budget / 2**30, folder)
+    try:
+        with load_offloaded_model():
+            yield {"device_map": "auto_offload", "max_memory": {"cpu": budget}, "offload_folder": str(folder)}
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _normalise_config(out: Path, source_config: dict) -> None:

@@ -205,14 +205,27 @@ def test_scheme_builds_and_serves(method, tiny_checkpoint, tmp_path, cache_dir, 
     assert all(len(o.token_ids) == 6 for o in outs)
 
 
-def test_identical_rebuilds_are_byte_identical(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_identical_rebuilds_are_byte_identical(method, tiny_checkpoint, tmp_path, caplog):
+    # the second build holds at most 10 MiB of weights in memory (quant.memory_gib): its layers wait on disk
+    # and are read in as calibrated, which changes no byte
+    import logging
+
+    caplog.set_level(logging.INFO, logger="infer.build")
     outs = []
-    for i in range(2):  # separate caches: the quantize stage really runs twice
-        outs.append(_build(_tiny("gptq", tiny_checkpoint), tmp_path / f"a{i}", tmp_path / f"cache{i}").artifact)
+    for i, memory in enumerate(([], ["quant.memory_gib=0.01"])):  # separate caches: the stage really runs twice
+        outs.append(_build([*_tiny(method, tiny_checkpoint), *memory], tmp_path / f"a{i}", tmp_path / f"cache{i}").artifact)
+    assert sum("layers beyond it wait on disk" in r.getMessage() for r in caplog.records) == 1
+    assert not list((tmp_path / "cache1").rglob(".offload-*"))  # the folder went with the stage
     files = sorted(p.name for p in outs[0].iterdir())
     assert files == sorted(p.name for p in outs[1].iterdir())
     for name in files:
-        assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+        if name != "manifest.json":
+            assert (outs[0] / name).read_bytes() == (outs[1] / name).read_bytes(), name
+    # the manifests differ in the recipe they record, and only there
+    manifests = [json.loads((o / "manifest.json").read_text()) for o in outs]
+    assert [m["recipe"]["quant"].pop("memory_gib") for m in manifests] == [None, 0.01]
+    assert manifests[0] == manifests[1]
 
 
 def test_compressed_tensors_source_is_packaged_without_quantizing(tiny_checkpoint, tmp_path, cache_dir):
