@@ -298,14 +298,16 @@ def _layer_progress(layers: int):
     from llmcompressor.core import LifecycleCallbacks
 
     original = LifecycleCallbacks.__dict__["sequential_epoch_end"]
-    total, start, done = layers + 1, time.perf_counter(), [0]
+    total, ends = layers + 1, [time.perf_counter()]
 
     def epoch_end(*args, **kwargs):
         result = original.__get__(None, LifecycleCallbacks)(*args, **kwargs)
-        done[0] += 1
-        each = (time.perf_counter() - start) / done[0]
+        ends.append(time.perf_counter())
+        done = len(ends) - 1
+        # the first subgraph (the embeddings, up to the first layer) is quick: the estimate is the layers' pace
+        each = (ends[-1] - ends[1]) / (done - 1) if done > 1 else ends[1] - ends[0]
         log.info("quantize: %d/%d subgraphs calibrated (one a decoder layer), %.1f s each, about %.1f min left",
-                 done[0], total, each, max(total - done[0], 0) * each / 60)
+                 done, total, each, max(total - done, 0) * each / 60)
         return result
 
     LifecycleCallbacks.sequential_epoch_end = epoch_end
