@@ -18,7 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from conftest import hf_greedy
+from conftest import agree_until_a_near_tie, hf_greedy
 from infer.pipeline.config import compose_recipe
 from infer.pipeline.quantize import ONE_PLUS_NORMS, QUANTIZABLE, QuantError, hf_attention
 from infer.pipeline.quantize import plan as quant_plan
@@ -225,16 +225,19 @@ def test_bf16_tp2_ranks_decode_with_their_sums(tmp_path):
     single = shutil.move(tmp_path / "out", tmp_path / "tp1")
     sharded = _build(tmp_path, tmp_path / "src", "bfloat16", "parallel.tp=2")
     prompts = _prompts()
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5, prompt_logprobs=0)
     got = {}
     for name, artifact in (("tp1", single), ("tp2", sharded)):
         with LLM(artifact, kv_cache_memory=8 << 20, tuning="off") as llm:
             print(name, llm.engine.model.step_path)
-            outs = llm.generate(prompts, params)
-        got[name] = torch.tensor([[a["logprob"] for a in o.logprobs] for o in outs]), [o.token_ids for o in outs]
-    err = (got["tp1"][0] - got["tp2"][0]).abs().max().item()
-    print("bfloat16 tp=2 - tp=1 max |logprob diff|", err)
-    assert got["tp1"][1] == got["tp2"][1] and err < 2e-2, err
+            got[name] = llm.generate(prompts, params)
+    # a random model's answers may part at a near tie (two tokens within 0.05, which sums in another order can
+    # flip: seed 152224382's first tokens); up to there, and over every prompt token, the logprobs agree
+    err = agree_until_a_near_tie(got["tp2"], got["tp1"], tie=0.05)
+    prompt_err = max(abs(a["logprob"] - b["logprob"]) for g, w in zip(got["tp2"], got["tp1"])
+                     for a, b in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]))
+    print("bfloat16 tp=2 - tp=1 max |logprob diff|", err, "over the prompts", prompt_err)
+    assert err < 2e-2 and prompt_err < 2e-2, (err, prompt_err)
 
 
 @pytest.mark.parametrize("case,tp,match", [
