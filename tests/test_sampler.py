@@ -83,3 +83,23 @@ def test_logprobs_of_chosen_and_top_tokens():
     assert lp["token_id"] == 0 and lp["logprob"] == pytest.approx(expected[0].item())
     assert [t for t, _ in lp["top"]] == [0, 1, 2]
     assert math.isclose(sum(math.exp(v) for _, v in lp["top"]), expected[:3].exp().sum().item(), rel_tol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_row_max_is_torchs_max_over_the_last_dimension(rows):
+    # the sampler's CPU argmax (numpy's) against torch's: values and first indices, NaN and infinities included
+    from infer.runtime.engine.sampler import row_max
+
+    seed = torch.initial_seed()
+    print("seed", seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, 49152, generator=gen)
+    x[0, torch.randint(0, 49152, (2,), generator=gen)] = x[0].max() + 1  # a tie: the first index wins
+    if rows > 1:
+        x[1, 100], x[1, 50] = float("nan"), float("nan")
+        x[2] = float("-inf")
+    want_values, want_index = x.max(-1)
+    got_values, got_index = row_max(x)
+    assert torch.equal(got_index, want_index)
+    assert torch.equal(got_values.nan_to_num(), want_values.nan_to_num())
+    assert torch.equal(got_values.isnan(), want_values.isnan())
