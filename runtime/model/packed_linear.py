@@ -49,7 +49,8 @@ class PackedLinear(nn.Module):
             self.bias = linear.bias
         elif kernel == "blocks":
             assert module is not None and bf16_linear.fits(weight), "blocks: needs the module and an even K"
-            self.packed_weight = bf16_linear.pack(weight, None if storage is None else _as(storage, weight.dtype))
+            # written straight into its arena slot (whole cache lines, so it views as the weight's dtype)
+            self.packed_weight = bf16_linear.pack(weight, None if storage is None else storage.view(weight.dtype))
             # added in float32 before the one rounding, as oneDNN does
             self.bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
         else:
@@ -87,11 +88,6 @@ def packed_nbytes(weight: torch.Tensor, kernel: str) -> int:
         n, k = weight.shape
         nbytes = bf16_linear.padded_rows(n) * k * weight.element_size()
     return -(-nbytes // 64) * 64
-
-
-def _as(storage: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A huge-page arena slice (uint8) as a flat tensor of ``dtype``, for a kernel's pack to write into."""
-    return storage[:storage.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
 
 
 def _into(packed: torch.Tensor, storage: torch.Tensor | None) -> torch.Tensor:
