@@ -8,6 +8,7 @@ infer / vLLM ratios, from the client's own result JSON. ``--vllm-python``: an in
 and ``--vllm-kv-gib`` of KV cache. JSON to --json (default $TMPDIR/infer-bench/vllm-serve.json), outside the tree.
 
     python -m infer.bench.vllm_serve ART --vllm-python /tmp/vv/bin/python [--rates 1 inf] [--requests 48]
+        [--engines infer]   (infer alone, still under vLLM's client: e.g. a model too large to serve twice)
 """
 
 from __future__ import annotations
@@ -66,6 +67,8 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--vllm-kv-gib", type=int, default=4)
     p.add_argument("--port", type=int, default=8124)
+    p.add_argument("--engines", nargs="+", choices=["infer", "vllm"], default=["infer", "vllm"],
+                   help="serve these in turn (infer alone: the client's figures without the comparison)")
     p.add_argument("--json", default=str(Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "infer-bench"
                                          / "vllm-serve.json"))
     args = p.parse_args(argv)
@@ -76,6 +79,7 @@ def main(argv=None) -> None:
                   args.dtype, "--max-model-len", "1024", "--port", str(args.port)],
                  {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}),
     }
+    servers = {name: servers[name] for name in args.engines}
     dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
                str(args.output_len)]
     runs: dict[str, dict[str, list[dict]]] = {rate: {s: [] for s in servers} for rate in args.rates}
@@ -97,13 +101,15 @@ def main(argv=None) -> None:
                 _stop(proc)
     report = {"host": host_info(), "artifact": args.artifact, "dtype": args.dtype, "requests": args.requests,
               "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds, "rates": {}}
-    print(f"{'rate':>5} {'metric':>18} {'infer':>9} {'vllm':>9} {'infer/vllm':>10}")
+    print(f"{'rate':>5} {'metric':>18} " + " ".join(f"{s:>9}" for s in servers)
+          + (f" {'infer/vllm':>10}" if len(servers) == 2 else ""))
     for rate, by_server in runs.items():
         med = {s: {k: statistics.median(x[k] for x in rs) for k in METRICS} for s, rs in by_server.items()}
-        ratio = {k: round(med["infer"][k] / med["vllm"][k], 3) for k in METRICS}
+        ratio = ({k: round(med["infer"][k] / med["vllm"][k], 3) for k in METRICS} if len(servers) == 2 else None)
         report["rates"][rate] = {"median": med, "runs": by_server, "ratio": ratio}
         for k in METRICS:
-            print(f"{rate:>5} {k:>18} {med['infer'][k]:>9.1f} {med['vllm'][k]:>9.1f} {ratio[k]:>10}")
+            print(f"{rate:>5} {k:>18} " + " ".join(f"{med[s][k]:>9.1f}" for s in servers)
+                  + (f" {ratio[k]:>10}" if ratio else ""))
     save_json(report, Path(args.json))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -281,21 +282,23 @@ class BaselineMemo:
         cls._store.clear(), cls._order.clear()
 
 
-def compare_on_chat(llm, base_llm, prompts: Sequence[str], max_tokens: int, memo_key: str | None = None) -> dict:
+def compare_on_chat(llm, base_llm, prompts: Sequence[str], max_tokens: int, memo_key: str | None = None,
+                    reference: dict | None = None) -> dict:
     """Greedy agreement on chat prompts, then both models' next-token distributions over the
     baseline's answers: KL divergence and top-1 agreement where the user reads.
 
     ``memo_key`` (``BaselineMemo.key`` of the baseline's model identity): the baseline's answers and their
-    distributions are computed once per process for it."""
+    distributions are computed once per process for it. ``reference``: the baseline's ``answers`` and
+    ``logprobs``, computed earlier (``base_llm`` is then not needed)."""
     ids = chat_prompt_ids(llm.tokenizer, prompts)
     key = None if memo_key is None else BaselineMemo.key(memo_key, "chat", ids, max_tokens)
-    kept = BaselineMemo.get(key)
+    kept = reference or BaselineMemo.get(key)
     ours = greedy_outputs(llm, ids, max_tokens)
     theirs = kept["answers"] if kept else greedy_outputs(base_llm, ids, max_tokens)
     out = greedy_agreement(ours, theirs)
     windows = [Window(p + a, len(p)) for p, a in zip(ids, theirs) if a]
     if windows:
-        comp = compare_distributions(llm.engine.model, base_llm.engine.model, windows,
+        comp = compare_distributions(llm.engine.model, None if kept else base_llm.engine.model, windows,
                                      baseline_logprobs=kept["logprobs"] if kept else None,
                                      keep_baseline=key is not None and not kept)
         if not kept and "_baseline_logprobs" in comp:
@@ -340,11 +343,12 @@ def model_identity(manifest: dict) -> dict:
             if k not in skip and not k.startswith("plots/")}
 
 
-def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
+def evaluate(artifact, baseline, settings: EvalSettings, log=None, memory_bytes: int | None = None) -> dict:
     """Every metric for one artifact (and against a baseline when given), as plain JSON-able data.
 
     ``artifact``, ``baseline``: verified Artifacts, as the CLI and the gate stage pass them (a path
-    is verified here)."""
+    is verified here). Both models are loaded together when their weights fit in ``memory_bytes``
+    (None: ``together_budget()``); otherwise the baseline runs first, alone (``_evaluate_apart``)."""
     from infer.runtime.artifact import Artifact, verify_artifact
 
     settings.check()
@@ -355,6 +359,13 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
     same = baseline is not None and baseline.path.resolve() == art.path.resolve()
     base = baseline if baseline is not None and not same else None
     max_len = max(settings.seq_len, 512) + settings.greedy_tokens
+    if base is not None:
+        sizes = weights_bytes(art.path), weights_bytes(base.path)
+        budget = together_budget() if memory_bytes is None else memory_bytes
+        if sum(sizes) > budget:
+            say("the two models' weights (%.1f + %.1f GiB) exceed %.1f GiB: the baseline runs first, alone, and its "
+                "distributions wait on disk", sizes[0] / 2**30, sizes[1] / 2**30, budget / 2**30)
+            return _evaluate_apart(art, base, settings, max_len, say)
     llm = open_llm(art, max_len)
     windows, data_info = load_windows(llm.tokenizer, settings)
     result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
@@ -400,3 +411,102 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None) -> dict:
         if base is not None:
             result["baseline_tasks"] = run_tasks(open_llm(base, max_len), settings.tasks, limit=settings.task_limit)
     return result
+
+
+# ---------------------------------------------------------------------------- a baseline too large to sit beside
+
+PROBE_TEXT = "Hello, world! 123"
+
+
+def weights_bytes(path: Path) -> int:
+    """Bytes of an artifact's weight files (what loading it holds in memory, about)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*.safetensors"))
+
+
+def together_budget() -> int:
+    """Weight bytes two models may hold at once: 40% of this machine's RAM (quant.memory_gib's default rule)."""
+    return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def logprobs_on_disk(model, windows: Sequence[Window], path: Path) -> list[torch.Tensor]:
+    """The model's log-softmax rows for each window's scored positions, float32, in a file at ``path``
+    (read back through a memory map: page cache, not the process's memory)."""
+    rows = [len(w.ids) - w.score_from for w in windows]
+    vocab = None
+    store = None
+    for n, w in enumerate(windows):
+        lp = model.logits(torch.tensor([w.ids]))[0, w.score_from - 1:len(w.ids) - 1].float().log_softmax(-1)
+        if store is None:
+            vocab = lp.shape[-1]
+            store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(sum(rows), vocab))
+        start = sum(rows[:n])
+        store[start:start + rows[n]] = lp.numpy()
+        del lp
+    if store is None:
+        return []
+    store.flush()
+    del store
+    kept = np.load(path, mmap_mode="c")  # copy-on-write: torch wants a writable array, nothing writes it
+    out, start = [], 0
+    for r in rows:
+        out.append(torch.from_numpy(kept[start:start + r]))
+        start += r
+    return out
+
+
+def _evaluate_apart(art, base, settings: EvalSettings, max_len: int, say) -> dict:
+    """``evaluate`` against a baseline that cannot be loaded beside the artifact (a 15 GB bfloat16 7B
+    beside its 5 GB int4 build): the baseline alone first (perplexity, its greedy answers, its full
+    distributions on every window and answer, written to a temporary file), then the artifact alone,
+    compared against what was kept. The same metrics, except the per-layer hidden-state error, which
+    needs both models' layers at once (``layer_hidden_error`` is None)."""
+    import gc
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="infer-eval-baseline-") as scratch:
+        say("baseline %s alone: perplexity, answers and distributions", base.path)
+        base_llm = open_llm(base, max_len)
+        windows, data_info = load_windows(base_llm.tokenizer, settings)
+        probe = base_llm.tokenizer.encode(PROBE_TEXT)
+        base_ppl = engine_perplexity(base_llm, windows)
+        base_lps = logprobs_on_disk(base_llm.engine.model, windows, Path(scratch) / "windows.npy")
+        prompts = load_prompts(settings.prompts, settings.max_prompts)
+        ids = chat_prompt_ids(base_llm.tokenizer, prompts)
+        answers = greedy_outputs(base_llm, ids, settings.greedy_tokens) if prompts else []
+        chat_windows = [Window(p + a, len(p)) for p, a in zip(ids, answers) if a]
+        chat_lps = logprobs_on_disk(base_llm.engine.model, chat_windows, Path(scratch) / "chat.npy")
+        base_tasks = None
+        if settings.tasks:
+            from .lm_adapter import run_tasks
+
+            base_tasks = run_tasks(base_llm, settings.tasks, limit=settings.task_limit)
+        del base_llm
+        gc.collect()
+
+        say("artifact %s alone", art.path)
+        llm = open_llm(art, max_len)
+        if llm.tokenizer.encode(PROBE_TEXT) != probe:
+            raise EvalError(f"{base.path}: its tokenizer differs from {art.path}'s; a baseline must share it")
+        result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
+                        "artifact": artifact_summary(art.path, art.manifest)}
+        say("perplexity: %d windows, %d tokens scored", data_info["windows"], data_info["tokens_scored"])
+        result["perplexity"] = engine_perplexity(llm, windows)
+        result["baseline"] = artifact_summary(base.path, base.manifest)
+        result["baseline_perplexity"] = base_ppl
+        say("KL divergence and top-1 agreement against the baseline's kept distributions")
+        comp = compare_distributions(llm.engine.model, None, windows, baseline_logprobs=base_lps)
+        if prompts:
+            say("chat prompts: greedy agreement, KL divergence and top-1 agreement on %d prompts", len(prompts))
+            comp.update(compare_on_chat(llm, None, prompts, settings.greedy_tokens,
+                                        reference={"answers": answers, "logprobs": chat_lps}))
+        result["comparison"] = comp
+        p, pb = result["perplexity"]["ppl"], base_ppl["ppl"]
+        result["comparison"]["ppl_increase_pct"] = (p / pb - 1.0) * 100.0
+        if settings.tasks:
+            from .lm_adapter import run_tasks
+
+            say("lm-eval tasks: %s", ", ".join(settings.tasks))
+            result["tasks"] = run_tasks(llm, settings.tasks, limit=settings.task_limit)
+            result["baseline_tasks"] = base_tasks
+        del base_lps, chat_lps  # the memory maps, before their directory goes
+        return result

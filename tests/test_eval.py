@@ -183,3 +183,24 @@ def test_chat_prompts_are_rendered_as_a_chat_request_and_compared_on_the_answers
     answer = embedded_llm.generate([ids[0]], __import__("infer.runtime", fromlist=["SamplingParams"]).SamplingParams(
         temperature=0.0, max_tokens=12))[0].text
     assert answer.startswith("The capital of France is Paris"), answer
+
+
+def test_a_baseline_too_large_to_sit_beside_runs_first_alone_with_the_same_metrics(tiny_artifact, embedded_artifact):
+    """A baseline whose weights do not fit beside the artifact's (a bfloat16 7B beside its int4 build) is run
+    first, alone, its distributions kept on disk: every metric equals the one computed with both loaded."""
+    from infer.eval.metrics import evaluate
+
+    s = EvalSettings(seq_len=64, stride=48, max_windows=2, max_prompts=2, greedy_tokens=6)
+    said: list[str] = []
+    together = evaluate(tiny_artifact, embedded_artifact, s, memory_bytes=1 << 40)
+    apart = evaluate(tiny_artifact, embedded_artifact, s, log=lambda m, *a: said.append(m % a), memory_bytes=1)
+    assert any("the baseline runs first, alone" in m for m in said), said
+    assert apart["perplexity"]["ppl"] == together["perplexity"]["ppl"]
+    assert apart["baseline_perplexity"]["ppl"] == together["baseline_perplexity"]["ppl"]
+    a, t = apart["comparison"], together["comparison"]
+    assert t["mean_kld"] > 0.1  # two different models: the comparison has something to get right
+    for k in ("tokens", "top1_agreement", "prompts", "greedy_agreement", "chat_tokens", "chat_top1_agreement"):
+        assert a[k] == t[k], k
+    for k in ("mean_kld", "p99_kld", "max_kld", "ln_ppl_ratio", "rms_delta_p", "chat_mean_kld", "ppl_increase_pct"):
+        assert a[k] == pytest.approx(t[k], rel=1e-9, abs=1e-12), k
+    assert a["layer_hidden_error"] is None and a["per_window"] == t["per_window"]
