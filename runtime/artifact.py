@@ -15,7 +15,8 @@ import hashlib
 import json
 import os
 import stat
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FORMAT = "infer-artifact"
@@ -116,6 +117,7 @@ class Artifact:
     path: Path
     manifest: dict
     config: dict  # config.json, parsed
+    verify_seconds: float = field(default=0.0, compare=False)  # hashing every file: the load log reports it
 
     @property
     def name(self) -> str:
@@ -164,6 +166,7 @@ def _check_index(root: Path, files: dict, rebuild: str) -> None:
 
 def verify_artifact(path: str | Path) -> Artifact:
     """Checks an artifact against its manifest; raises ArtifactError naming the first problem."""
+    started = time.perf_counter()
     root = Path(path)
     rebuild = "rebuild it with infer-build, or restore it from where it was published"
     if not root.is_dir():
@@ -223,4 +226,4 @@ def verify_artifact(path: str | Path) -> Artifact:
         raise ArtifactError(f"{root / CONFIG}: not valid JSON ({e}); {rebuild}") from e
     if not isinstance(config, dict):
         raise ArtifactError(f"{root / CONFIG}: not a JSON object; {rebuild}")
-    return Artifact(root, manifest, config)
+    return Artifact(root, manifest, config, time.perf_counter() - started)

@@ -195,7 +195,10 @@ class LLMEngine:
         self.config = config or EngineConfig(**overrides)
         cfg = self.config
         self.device = resolve_device(cfg.device)  # first: --device cuda without a GPU fails before any loading
+        started = time.perf_counter()
         self.artifact = artifact if isinstance(artifact, Artifact) else verify_artifact(artifact)
+        verified = time.perf_counter()
+        started -= self.artifact.verify_seconds if isinstance(artifact, Artifact) else 0.0  # verified by the caller
         self.tokenizer = Tokenizer(self.artifact.path, self.artifact.config)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
@@ -218,6 +221,7 @@ class LLMEngine:
             cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size, device=self.device),
             hf_config=self.artifact.config, files=self.artifact.weight_files(), tuning=self.tuning, **on)
         self.kernels = self.model.kernels
+        loaded = time.perf_counter()
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
         self.kv_dtype = kv_cache_dtype(cfg.kv_cache_dtype, self.artifact.kv_cache_dtype, self.model.dtype, self.kernels)
@@ -244,6 +248,9 @@ class LLMEngine:
         self.runner = (self.ranks.runner if self.ranks else ModelRunner)(self.model, num_blocks, cfg.block_size,
                                                                         self.kernels, self.tuning, **on)
         self.plan = self.runner.plan  # what runs: the load log, /version and the benchmarks print it
+        log.info("ready in %.1fs: files verified %.1fs, weights read and packed %.1fs, KV cache (%d blocks, %.2f GiB) "
+                 "and step %.1fs", time.perf_counter() - started, verified - started, loaded - verified, num_blocks,
+                 num_blocks * per_block / 2**30, time.perf_counter() - loaded)
         log.info("plan: %s", self.plan.describe())
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
