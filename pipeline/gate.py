@@ -209,7 +209,7 @@ def _seal(packaged: Path, out: Path, doc: dict, stage_keys: dict) -> dict:
         for k in ("sensitivity", "widening_cost_bytes", "plain_size_bytes", "budget_bytes", "wide_format"):
             if k in sel:
                 manifest["evaluation"]["selection"][k] = sel[k]
-    sealed = write_manifest(out, manifest)
+    sealed = write_manifest(out, manifest, linked_from=packaged)
     return {"files": len(sealed["files"]), "passed": doc["passed"]}
 
 

@@ -148,5 +148,5 @@ def _seal(packaged: Path, out: Path, record: dict, key: str) -> dict:
         manifest.pop(k, None)
     manifest["stages"] = {**manifest.get("stages", {}), "kv_cache": key}
     manifest["kv_cache"] = record
-    sealed = write_manifest(out, manifest)
+    sealed = write_manifest(out, manifest, linked_from=packaged)
     return {"files": len(sealed["files"]), "kv_cache": record["dtype"]}

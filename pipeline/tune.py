@@ -89,5 +89,5 @@ def _tuned(packaged: Path, out: Path, given: Path, source: str, key: str) -> dic
     manifest["stages"] = {**manifest.get("stages", {}), "tune": key}
     manifest["tuning"] = {"file": TUNING, "source": source,
                           "hardware": table["hardware"], "changed": changed}
-    sealed = write_manifest(out, manifest)
+    sealed = write_manifest(out, manifest, linked_from=packaged)
     return {"files": len(sealed["files"]), "changed": changed}

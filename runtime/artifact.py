@@ -53,10 +53,25 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def describe_files(root: Path) -> dict[str, dict]:
-    """sha256 and size of every file under root except the manifest, by relative path, sorted."""
+def describe_files(root: Path, linked_from: Path | None = None) -> dict[str, dict]:
+    """sha256 and size of every file under root except the manifest, by relative path, sorted.
+
+    ``linked_from``: a sealed directory (a cache entry) whose files ``root`` hard-links: a file that is the
+    very same inode as the one listed there keeps that listing's hash instead of being read again (a 7B
+    artifact's 5 GB hashed once per build, not once per stage). A changed byte is still caught: the
+    published copy and every load are checked against these hashes."""
     files = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() != MANIFEST)
-    return {p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "size": p.stat().st_size} for p in files}
+    known = {}
+    if linked_from is not None and (linked_from / MANIFEST).is_file():
+        known = json.loads((linked_from / MANIFEST).read_text()).get("files") or {}
+    out = {}
+    for p in files:
+        rel = p.relative_to(root).as_posix()
+        was = known.get(rel)
+        same = (was is not None and (linked_from / rel).is_file() and os.path.samefile(p, linked_from / rel)
+                and p.stat().st_size == was.get("size"))
+        out[rel] = {"sha256": was["sha256"] if same else sha256_file(p), "size": p.stat().st_size}
+    return out
 
 
 def inside(root: Path, rel, what: str) -> Path:
@@ -103,9 +118,11 @@ def dump_json(data, path: Path) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def write_manifest(root: Path, manifest: dict) -> dict:
-    """Seals a directory as an artifact: hashes every file into the manifest, written last."""
-    manifest = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION, "files": describe_files(root)}
+def write_manifest(root: Path, manifest: dict, linked_from: Path | None = None) -> dict:
+    """Seals a directory as an artifact: hashes every file into the manifest, written last
+    (``linked_from``: see ``describe_files``)."""
+    manifest = {**manifest, "format": FORMAT, "format_version": FORMAT_VERSION,
+                "files": describe_files(root, linked_from)}
     dump_json(manifest, root / MANIFEST)
     return manifest
 

@@ -67,6 +67,36 @@ def _entry(file: Path) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
+def test_resealing_hard_links_reads_only_new_files_and_still_catches_a_changed_byte(tmp_path, monkeypatch):
+    """A later stage links the earlier one's files and re-seals: linked files keep the listed hash (no second
+    read of gigabytes), a new or copied file is hashed; a byte changed in place is caught on verification."""
+    import infer.runtime.artifact as artifact_mod
+    from infer.pipeline.stage import link_tree
+
+    first = _artifact(tmp_path / "first", shards=2)
+    second = link_tree(first, tmp_path / "second")
+    (second / "tuning.json").write_text("{}")
+    os.unlink(second / "config.json")  # a copy, not a link: hashed again
+    (second / "config.json").write_bytes((first / "config.json").read_bytes())
+    hashed = []
+    real = artifact_mod.sha256_file
+    monkeypatch.setattr(artifact_mod, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real(p, *a))
+    sealed = write_manifest(second, {"name": "tiny", "version": "0.0.2"}, linked_from=first)
+    assert sorted(hashed) == ["config.json", "tuning.json"]
+    monkeypatch.undo()
+    assert sealed["files"] == {**json.loads((first / "manifest.json").read_text())["files"],
+                               "tuning.json": _entry(second / "tuning.json")}
+    verify_artifact(second)
+    shard = second / "model-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    with open(shard, "r+b") as f:  # in place: both directories see it (one inode)
+        f.write(data)
+    write_manifest(second, {"name": "tiny", "version": "0.0.3"}, linked_from=first)
+    with pytest.raises(ArtifactError, match="model-00001-of-00002.safetensors"):
+        verify_artifact(second)
+
+
 def test_a_sealed_tiny_artifact_verifies(tmp_path):
     """The baseline every case below breaks one way: it verifies, index and all."""
     art = verify_artifact(_artifact(tmp_path / "a", shards=2))

@@ -217,6 +217,9 @@ def test_identical_rebuilds_are_byte_identical(method, tiny_checkpoint, tmp_path
         outs.append(_build([*_tiny(method, tiny_checkpoint), *memory], tmp_path / f"a{i}", tmp_path / f"cache{i}").artifact)
     assert sum("layers beyond it wait on disk" in r.getMessage() for r in caplog.records) == 1
     assert not list((tmp_path / "cache1").rglob(".offload-*"))  # the folder went with the stage
+    from llmcompressor.core import active_session
+
+    assert active_session().lifecycle.state.model is None  # the calibrated model is not kept past the stage
     files = sorted(p.name for p in outs[0].iterdir())
     assert files == sorted(p.name for p in outs[1].iterdir())
     for name in files:
