@@ -165,3 +165,56 @@ def test_streamed_weights_share_one_aligned_arena_and_keep_their_values():
         after = model.logits(ids)
     assert (after.argmax(-1) == before.argmax(-1)).float().mean().item() > 0.9
     assert (after - before).abs().max().item() < 0.05 * before.abs().max().item()
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_packing_lets_each_plain_weight_go_as_it_goes(kernel, monkeypatch):
+    """A 7B bfloat16 model loads in about its own size: each plain weight is freed once packed, not all of
+    them kept until the last is packed (the bfloat16 7B baseline was killed by the kernel at 24 GB that way)."""
+    import gc
+    import weakref
+
+    import infer.runtime.model.packed_linear as packed
+
+    model = _tiny_model()
+    plain = [weakref.ref(m.weight) for layer in model.layers for m in layer.modules() if type(m) is nn.Linear]
+    alive_at_each_pack = []
+    real = packed.PackedLinear.__init__
+
+    def counting(self, *args, **kwargs):
+        gc.collect()
+        alive_at_each_pack.append(sum(r() is not None for r in plain))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(packed.PackedLinear, "__init__", counting)
+    pack_linears(model, AMX if kernel == "amx" else None, bf16=BF16 if kernel == "blocks" else None)
+    n = len(plain)
+    assert alive_at_each_pack[:n] == list(range(n, 0, -1)), alive_at_each_pack
+    gc.collect()
+    assert all(r() is None for r in plain)
+
+
+def test_loading_a_bfloat16_model_frees_each_plain_weight_once_packed(embedded_artifact, monkeypatch):
+    """load_model keeps no second reference (its state dict) to the weights it packs: when a linear is packed,
+    every linear packed before it has been freed."""
+    import gc
+    import weakref
+
+    import infer.runtime.model.packed_linear as packed
+    from infer.runtime.model.loader import load_model
+
+    if BF16 is None and AMX is None and not can_pack(torch.bfloat16):
+        pytest.skip("no bfloat16 packing kernel on this CPU: nothing is packed at load")
+    seen, still_alive = [], []
+    real = packed.PackedLinear.__init__
+
+    def counting(self, linear, *args, **kwargs):
+        gc.collect()
+        still_alive.append(sum(r() is not None for r in seen))
+        seen.append(weakref.ref(linear.weight))
+        real(self, linear, *args, **kwargs)
+
+    monkeypatch.setattr(packed.PackedLinear, "__init__", counting)
+    model = load_model(embedded_artifact, torch.bfloat16)
+    assert len(seen) >= 4 * len(model.layers)  # q/k/v, o, gate/up, down each layer were packed
+    assert max(still_alive) == 0, str(still_alive)

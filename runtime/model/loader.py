@@ -196,10 +196,13 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     if quantized:
         from .quant_linear import make_linear
 
-        for name, qweight in quantized.items():
+        for name in list(quantized):  # each stored weight let go once its kernel's layout is built
+            qweight = quantized.pop(name)
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr,
                     make_linear(qweight, state.get(name + ".bias"), dtype, device).to(device))
+            del qweight
+    del state, hf  # the model holds what it uses: packing below then frees each plain weight as it goes
     model.rotary = RotaryEmbedding.for_config(cfg).to(device)
     if cfg.local_rope_layers:  # Gemma 3's sliding layers' own
         model.rotary_local = RotaryEmbedding.for_config(cfg, local=True).to(device)

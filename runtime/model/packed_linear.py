@@ -137,11 +137,14 @@ def pack_linears(model: nn.Module, amx=None, onednn_ok: bool = True, choose=None
     for (lin, _), size in zip(streamed, sizes):
         slots[id(lin)] = memory[offset:offset + size]
         offset += size
+    streamed = module = head = None  # the plan holds the linears now, and lets each go once packed
     count = 0
-    for parent, attr, linear, kernel in plan:
-        if kernel == "torch":
-            continue
-        setattr(parent, attr, PackedLinear(linear, kernel, {"amx": amx, "blocks": bf16}.get(kernel),
-                                           slots.get(id(linear))))
-        count += 1
+    plan.reverse()
+    while plan:  # each plain weight let go once packed: a model's size, not twice it, while loading
+        parent, attr, linear, kernel = plan.pop()
+        if kernel != "torch":
+            setattr(parent, attr, PackedLinear(linear, kernel, {"amx": amx, "blocks": bf16}.get(kernel),
+                                               slots.pop(id(linear), None)))
+            count += 1
+        del linear
     return count
