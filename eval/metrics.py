@@ -165,12 +165,9 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
     layer_err: list[list[float]] = []
     kept: list[torch.Tensor] = []
     for n, w in enumerate(windows):
-        ids = torch.tensor([w.ids])
-        rows = slice(w.score_from - 1, len(w.ids) - 1)  # row j predicts token j + 1
-        targets = ids[0, w.score_from:]
-        lv = variant_model.logits(ids)[0, rows].float().log_softmax(-1)
-        lb = baseline_model.logits(ids)[0, rows].float().log_softmax(-1) if baseline_logprobs is None \
-            else baseline_logprobs[n]
+        targets = torch.tensor(w.ids[w.score_from:])
+        lv = window_logprobs(variant_model, w)
+        lb = window_logprobs(baseline_model, w) if baseline_logprobs is None else baseline_logprobs[n]
         if keep_baseline:
             kept.append(lb)
         if hidden_v.outputs and len(hidden_v.outputs) == len(hidden_b.outputs):
@@ -212,6 +209,12 @@ def compare_distributions(variant_model, baseline_model, windows: Sequence[Windo
         "seconds": round(time.perf_counter() - start, 3),
         **keep,
     }
+
+
+def window_logprobs(model, w: Window) -> torch.Tensor:
+    """The model's float32 log-softmax over the vocabulary at each scored position of ``w`` (row j predicts
+    token j + 1)."""
+    return model.logits(torch.tensor([w.ids]))[0, w.score_from - 1:len(w.ids) - 1].float().log_softmax(-1)
 
 
 class _LayerTap:
@@ -431,27 +434,19 @@ def together_budget() -> int:
 def logprobs_on_disk(model, windows: Sequence[Window], path: Path) -> list[torch.Tensor]:
     """The model's log-softmax rows for each window's scored positions, float32, in a file at ``path``
     (read back through a memory map: page cache, not the process's memory)."""
-    rows = [len(w.ids) - w.score_from for w in windows]
-    vocab = None
-    store = None
-    for n, w in enumerate(windows):
-        lp = model.logits(torch.tensor([w.ids]))[0, w.score_from - 1:len(w.ids) - 1].float().log_softmax(-1)
-        if store is None:
-            vocab = lp.shape[-1]
-            store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(sum(rows), vocab))
-        start = sum(rows[:n])
-        store[start:start + rows[n]] = lp.numpy()
-        del lp
-    if store is None:
+    if not windows:
         return []
+    ends = np.cumsum([len(w.ids) - w.score_from for w in windows]).tolist()
+    store = None
+    for w, start, end in zip(windows, [0] + ends, ends):
+        lp = window_logprobs(model, w)
+        if store is None:
+            store = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(ends[-1], lp.shape[-1]))
+        store[start:end] = lp.numpy()
     store.flush()
     del store
     kept = np.load(path, mmap_mode="c")  # copy-on-write: torch wants a writable array, nothing writes it
-    out, start = [], 0
-    for r in rows:
-        out.append(torch.from_numpy(kept[start:start + r]))
-        start += r
-    return out
+    return [torch.from_numpy(kept[start:end]) for start, end in zip([0] + ends, ends)]
 
 
 def _evaluate_apart(art, base, settings: EvalSettings, max_len: int, say) -> dict:

@@ -66,11 +66,11 @@ def describe_files(root: Path, linked_from: Path | None = None) -> dict[str, dic
         known = json.loads((linked_from / MANIFEST).read_text()).get("files") or {}
     out = {}
     for p in files:
-        rel = p.relative_to(root).as_posix()
+        rel, size = p.relative_to(root).as_posix(), p.stat().st_size
         was = known.get(rel)
-        same = (was is not None and (linked_from / rel).is_file() and os.path.samefile(p, linked_from / rel)
-                and p.stat().st_size == was.get("size"))
-        out[rel] = {"sha256": was["sha256"] if same else sha256_file(p), "size": p.stat().st_size}
+        same = (was is not None and was.get("size") == size and (linked_from / rel).is_file()
+                and os.path.samefile(p, linked_from / rel))
+        out[rel] = {"sha256": was["sha256"] if same else sha256_file(p), "size": size}
     return out
 
 

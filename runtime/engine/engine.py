@@ -195,10 +195,8 @@ class LLMEngine:
         self.config = config or EngineConfig(**overrides)
         cfg = self.config
         self.device = resolve_device(cfg.device)  # first: --device cuda without a GPU fails before any loading
-        started = time.perf_counter()
         self.artifact = artifact if isinstance(artifact, Artifact) else verify_artifact(artifact)
-        verified = time.perf_counter()
-        started -= self.artifact.verify_seconds if isinstance(artifact, Artifact) else 0.0  # verified by the caller
+        verified = time.perf_counter()  # here or by the caller: the artifact says how long it took
         self.tokenizer = Tokenizer(self.artifact.path, self.artifact.config)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
@@ -249,8 +247,9 @@ class LLMEngine:
                                                                         self.kernels, self.tuning, **on)
         self.plan = self.runner.plan  # what runs: the load log, /version and the benchmarks print it
         log.info("ready in %.1fs: files verified %.1fs, weights read and packed %.1fs, KV cache (%d blocks, %.2f GiB) "
-                 "and step %.1fs", time.perf_counter() - started, verified - started, loaded - verified, num_blocks,
-                 num_blocks * per_block / 2**30, time.perf_counter() - loaded)
+                 "and step %.1fs", self.artifact.verify_seconds + time.perf_counter() - verified,
+                 self.artifact.verify_seconds, loaded - verified, num_blocks, num_blocks * per_block / 2**30,
+                 time.perf_counter() - loaded)
         log.info("plan: %s", self.plan.describe())
         self.requests: dict[str, _Request] = {}
         self.eos_token_ids = set(self.tokenizer.eos_token_ids)
