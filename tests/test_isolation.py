@@ -137,7 +137,8 @@ def test_a_parameter_the_sampler_cannot_use_fails_only_its_request(engine, refer
     seq = engine.add_request("hostile", "hi", SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True))
     seq.params.temperature = math.nan  # slipped past validation: logits / NaN
     final = run_to_end(engine)
-    assert final["hostile"].finish_reason == "error" and "no valid distribution" in final["hostile"].error
+    assert final["hostile"].finish_reason == "error" and "left no token to choose" in final["hostile"].error
+    assert final["hostile"].error_by_request  # the request's own parameter: a 400 at the server, not a 500
     assert_normals_exact(final, reference)
     assert_clean(engine)
 
@@ -184,6 +185,7 @@ def test_non_finite_logits_on_one_row_fail_only_that_request(engine, reference, 
     engine.add_request("hostile", "hi", SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True))
     final = run_to_end(engine)
     assert final["hostile"].finish_reason == "error" and "not finite" in final["hostile"].error
+    assert not final["hostile"].error_by_request  # the model's fault: a server error
     assert_normals_exact(final, reference)
     assert_clean(engine)
 

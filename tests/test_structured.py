@@ -260,6 +260,25 @@ def test_logit_bias_and_allowed_token_ids(client, model):
     assert set(tokens) <= {ids[0], 13}, tokens
 
 
+def test_allowed_token_ids_that_the_grammar_forbids_are_a_400_not_a_server_error(server, client, model):
+    """The schemathesis case: a JSON grammar beside allowed_token_ids=[0] (a token JSON never starts with)
+    leaves no token to choose. That is the request's own doing: a 400 naming the fix (in-band when
+    streaming), never a 500, and the server answers the next request as before."""
+    body = {"model": model, "prompt": "0", "max_tokens": 8, "allowed_token_ids": [0],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}
+    expected = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "no_allowed_token", err
+    assert "allow at least one token" in err["message"], err
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120) as resp:
+        events = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+    assert events and events[-1]["error"]["type"] == "invalid_request_error", events
+    again = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0)
+    assert again.choices[0].text == expected.choices[0].text
+
+
 BAD = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format", "not a valid JSON Schema"),

@@ -99,6 +99,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    error_by_request: bool = False  # the request's own parameters caused ``error`` (a client error, not a fault)
 
 
 class _Request:
@@ -111,6 +112,7 @@ class _Request:
         self.emitted_text = 0
         self.emitted_tokens = 0
         self.error: str | None = None
+        self.error_by_request = False
         self.max_stop = max((len(s) for s in seq.params.stop), default=0)
 
     def add_token(self, token_id: int) -> bool:
@@ -464,7 +466,7 @@ class LLMEngine:
             for k, i in enumerate(rows):
                 seq = seqs[i]
                 if k in result.errors:
-                    outputs.append(self._fail(seq, result.errors[k]))
+                    outputs.append(self._fail(seq, result.errors[k], by_request=k in result.request_faults))
                     continue
                 logprob = result.logprobs[k] if result.logprobs is not None else None
                 try:
@@ -528,14 +530,16 @@ class LLMEngine:
             del self.requests[seq.request_id]
         return self._output(req)
 
-    def _fail(self, seq: Sequence, why: str) -> RequestOutput:
-        """Ends one request with finish_reason "error": out of the scheduler, its blocks freed."""
+    def _fail(self, seq: Sequence, why: str, by_request: bool = False) -> RequestOutput:
+        """Ends one request with finish_reason "error": out of the scheduler, its blocks freed. ``by_request``:
+        the request's own parameters caused it (a client error), not the engine or the model."""
         log.error("request %s failed: %s", seq.request_id, why)
         req = self.requests.pop(seq.request_id, None) or _Request(seq, self.tokenizer)
         if not seq.is_finished:
             self.scheduler.abort(seq)
         seq.finish_reason = "error"
         req.error = why
+        req.error_by_request = by_request
         return self._output(req)
 
     def _finish_reason(self, seq: Sequence, token: int, stopped_by_text: bool) -> str | None:
@@ -571,7 +575,7 @@ class LLMEngine:
             delta_text=delta_text, delta_token_ids=delta_tokens,
             logprobs=seq.output_logprobs if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if seq.params.prompt_logprobs is not None else None,
-            num_cached_tokens=seq.num_cached_tokens, error=req.error,
+            num_cached_tokens=seq.num_cached_tokens, error=req.error, error_by_request=req.error_by_request,
             metrics={"arrival_time": seq.arrival_time, "first_scheduled_time": seq.first_scheduled_time,
                      "first_token_time": seq.first_token_time, "num_preemptions": seq.num_preemptions},
         )

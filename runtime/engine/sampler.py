@@ -25,6 +25,8 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[dict] | None  # per row: {"token_id", "logprob", "top": [(id, logprob), ...]} or None
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token (its token_ids entry is junk)
+    # rows in ``errors`` that failed by their request's own parameters (nothing they allow is left), not the model's
+    request_faults: set[int] = field(default_factory=set)
 
 
 def _values(seqs: list[Sequence], attr: str, default: float) -> list[float]:
@@ -175,20 +177,22 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
         invalid[rows] |= ~torch.isfinite(probs[:, 0])
     token_ids, broken_rows, invalid_rows = torch.stack([chosen, broken.long(), invalid.long()]).tolist()
-    errors = {}
+    errors, request_faults = {}, set()
     for i in range(len(seqs)):
         if broken_rows[i]:
             errors[i] = "the model's logits for this sequence are not finite (NaN or infinity)"
         elif invalid_rows[i]:
             errors[i] = ("this sequence's sampling parameters (logit_bias, allowed_token_ids, its grammar or the "
-                         "filters) gave no valid distribution to sample from")
+                         "filters) left no token to choose: loosen them so they allow at least one token at "
+                         "every step")
+            request_faults.add(i)
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):
-        return SampleResult(token_ids, None, errors)
+        return SampleResult(token_ids, None, errors, request_faults)
     logprobs_all = raw.log_softmax(-1)
     logprobs = [None if w is None or i in errors else token_logprobs(logprobs_all[i], token_ids[i], w)
                 for i, w in enumerate(want)]
-    return SampleResult(token_ids, logprobs, errors)
+    return SampleResult(token_ids, logprobs, errors, request_faults)
 
 
 def verify_draft(logits: torch.Tensor, seq: Sequence) -> list[int]:

@@ -55,6 +55,8 @@ class Generation:
         out = item[0]
         if out.finish_reason == "error":
             choice = f" (choice {self.index[out.request_id]})" if len(self.sub_ids) > 1 else ""
+            if out.error_by_request:
+                raise APIError(400, f"generation stopped{choice}: {out.error}", code="no_allowed_token")
             raise APIError(500, f"generation failed{choice}: {out.error}", type="server_error",
                            code="generation_error")
         return item
