@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from infer.runtime.artifact import CONFIG
+from infer.runtime.memory import weight_budget
 
 from .runner import open_llm
 from .settings import EvalError, EvalSettings
@@ -351,7 +351,7 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None, memory_bytes:
 
     ``artifact``, ``baseline``: verified Artifacts, as the CLI and the gate stage pass them (a path
     is verified here). Both models are loaded together when their weights fit in ``memory_bytes``
-    (None: ``together_budget()``); otherwise the baseline runs first, alone (``_evaluate_apart``)."""
+    (None: ``weight_budget()``, the build's default rule); otherwise the baseline runs first, alone (``_evaluate_apart``)."""
     from infer.runtime.artifact import Artifact, verify_artifact
 
     settings.check()
@@ -364,7 +364,7 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None, memory_bytes:
     max_len = max(settings.seq_len, 512) + settings.greedy_tokens
     if base is not None:
         sizes = weights_bytes(art.path), weights_bytes(base.path)
-        budget = together_budget() if memory_bytes is None else memory_bytes
+        budget = weight_budget() if memory_bytes is None else memory_bytes
         if sum(sizes) > budget:
             say("the two models' weights (%.1f + %.1f GiB) exceed %.1f GiB: the baseline runs first, alone, and its "
                 "distributions wait on disk", sizes[0] / 2**30, sizes[1] / 2**30, budget / 2**30)
@@ -424,11 +424,6 @@ PROBE_TEXT = "Hello, world! 123"
 def weights_bytes(path: Path) -> int:
     """Bytes of an artifact's weight files (what loading it holds in memory, about)."""
     return sum(f.stat().st_size for f in Path(path).rglob("*.safetensors"))
-
-
-def together_budget() -> int:
-    """Weight bytes two models may hold at once: 40% of this machine's RAM (quant.memory_gib's default rule)."""
-    return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def logprobs_on_disk(model, windows: Sequence[Window], path: Path) -> list[torch.Tensor]:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import re
 import shutil
 import tempfile
@@ -37,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from infer.runtime.artifact import CONFIG, dump_json
+from infer.runtime.memory import weight_budget
 from infer.runtime.model.compressed_tensors import matches
 from infer.runtime.model.families import FAMILIES
 from infer.runtime.model.llama import HFLinear, ModelConfig, linear_layout
@@ -458,10 +458,10 @@ def _calibrate_and_save(model, checkpoint: Path, out: Path, cfg: BuildConfig, p:
 
 
 def memory_budget(cfg: BuildConfig) -> int:
-    """Bytes of weights the quantize stage may hold in memory (quant.memory_gib, else 40% of RAM)."""
+    """Bytes of weights the quantize stage may hold in memory (quant.memory_gib, else the runtime's weight_budget)."""
     if cfg.quant.memory_gib is not None:
         return int(cfg.quant.memory_gib * 2**30)
-    return int(0.4 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return weight_budget()
 
 
 @contextlib.contextmanager

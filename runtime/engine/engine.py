@@ -24,6 +24,7 @@ import torch
 from infer.kernels.resolver import resolve, resolve_device
 
 from ..artifact import CONFIG, TOKENIZER, Artifact, verify_artifact
+from ..memory import available_memory
 from .block_manager import BLOCK_SIZE, BlockManager
 from ..model import ModelConfig, load_model
 from ..parallel import tensor_parallel_size
@@ -134,17 +135,6 @@ class _Request:
             if any(s.startswith(self.text[-k:]) for s in self.seq.params.stop):
                 return k
         return 0
-
-
-def available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def isolate(run, items: list) -> tuple[list[tuple[list, object]], list[tuple[object, Exception]]]:
