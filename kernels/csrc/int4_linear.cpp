@@ -164,8 +164,6 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
 // K x 64 bytes, in cache), then tiles of rows that do nothing but vdpbf16ps on them: the same products summed in
 // the same order, so every row's result is the one `tile` gives, bit for bit. Decoding the nibbles in every tile
 // of 6 rows left a 256-row chunk at 0.84x the bfloat16 linear's rate on Zen 5.
-constexpr int kPairRows = 12;  // 24 sums, two weight vectors and a broadcast live; y waits in memory per group
-
 inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
   const int64_t words = a.k / 8;
   const uint32_t* wb = a.w + blk * words * BLOCK_N;
@@ -242,27 +240,27 @@ inline void tile_pairs(const Args& a, const int32_t* const* wp, int64_t blk, int
 // 0.99x). What remains is the per-group scaling, 2 FMAs a row, column and group (6% of the products at g64).
 constexpr int64_t kPairBlocks = 2;
 
-// Rows r .. r1 of blocks blk .. blk + kPairBlocks (fewer at the weight's end), each block widened once first.
+// Rows r .. r1 of BLOCKS blocks: tiles of 24 sums (of 32 registers; y waits in memory per group), then pairs
+// and single rows.
+template <int BLOCKS>
+void tile_rows(const Args& a, const int32_t* const* wp, int64_t blk, int64_t r, int64_t r1) {
+  constexpr int kRows = 12 / BLOCKS;
+  for (; r + kRows <= r1; r += kRows) tile_pairs<kRows, BLOCKS>(a, wp, blk, r);
+  for (; r + 2 <= r1; r += 2) tile_pairs<2, BLOCKS>(a, wp, blk, r);
+  for (; r < r1; ++r) tile_pairs<1, BLOCKS>(a, wp, blk, r);
+}
+
+// Rows r .. r1 of blocks blk .. blk + kPairBlocks (one at an odd weight's last block), each widened once first.
 void rows_widened(const Args& a, int64_t blk, int64_t r, int64_t r1, int64_t blocks) {
   thread_local std::vector<int32_t> buffer;
   const int64_t size = a.k / 2 * BLOCK_N, count = std::min(kPairBlocks, blocks - blk);
   buffer.resize(kPairBlocks * size);
   const int32_t* wp[2] = {buffer.data(), buffer.data() + (kPairBlocks - 1) * size};
   for (int64_t b = 0; b < count; ++b) widen_block_pairs(a, blk + b, buffer.data() + b * size);
-  if (count == 2) {
-    for (; r + 6 <= r1; r += 6) tile_pairs<6, 2>(a, wp, blk, r);
-    for (; r + 2 <= r1; r += 2) tile_pairs<2, 2>(a, wp, blk, r);
-    for (; r < r1; ++r) tile_pairs<1, 2>(a, wp, blk, r);
-    return;
-  }
-  for (; r + kPairRows <= r1; r += kPairRows) tile_pairs<kPairRows, 1>(a, wp, blk, r);
-  if (r + 8 <= r1) {  // a 128-row item's last 8: 16 sums, enough to cover vdpbf16ps's latency
-    tile_pairs<8, 1>(a, wp, blk, r);
-    r += 8;
-  }
-  for (; r + 4 <= r1; r += 4) tile_pairs<4, 1>(a, wp, blk, r);
-  for (; r + 2 <= r1; r += 2) tile_pairs<2, 1>(a, wp, blk, r);
-  for (; r < r1; ++r) tile_pairs<1, 1>(a, wp, blk, r);
+  if (count == 2)
+    tile_rows<2>(a, wp, blk, r, r1);
+  else
+    tile_rows<1>(a, wp, blk, r, r1);
 }
 
 }  // namespace
