@@ -456,7 +456,8 @@ class LLMEngine:
             for k, i in enumerate(rows):
                 seq = seqs[i]
                 if k in result.errors:
-                    outputs.append(self._fail(seq, result.errors[k], by_request=k in result.request_faults))
+                    why, by_request = result.errors[k]
+                    outputs.append(self._fail(seq, why, by_request=by_request))
                     continue
                 logprob = result.logprobs[k] if result.logprobs is not None else None
                 try:

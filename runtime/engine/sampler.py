@@ -12,6 +12,7 @@ sequence) gets no token and is reported in ``SampleResult.errors``, so only its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,13 +21,18 @@ from .speculative import accepted_prefix, sampled_prefix
 from .structured import apply_masks
 
 
+class RowError(NamedTuple):
+    """Why a row has no token, and whether its request's own parameters did it (nothing they allow is left: the
+    client's to fix) rather than the model (non-finite logits)."""
+    why: str
+    by_request: bool
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int]
     logprobs: list[dict] | None  # per row: {"token_id", "logprob", "top": [(id, logprob), ...]} or None
-    errors: dict[int, str] = field(default_factory=dict)  # row -> why it has no token (its token_ids entry is junk)
-    # rows in ``errors`` that failed by their request's own parameters (nothing they allow is left), not the model's
-    request_faults: set[int] = field(default_factory=set)
+    errors: dict[int, RowError] = field(default_factory=dict)  # rows with no token (their token_ids entries are junk)
 
 
 def _values(seqs: list[Sequence], attr: str, default: float) -> list[float]:
@@ -177,22 +183,21 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
         invalid[rows] |= ~torch.isfinite(probs[:, 0])
     token_ids, broken_rows, invalid_rows = torch.stack([chosen, broken.long(), invalid.long()]).tolist()
-    errors, request_faults = {}, set()
+    errors = {}
     for i in range(len(seqs)):
         if broken_rows[i]:
-            errors[i] = "the model's logits for this sequence are not finite (NaN or infinity)"
+            errors[i] = RowError("the model's logits for this sequence are not finite (NaN or infinity)", False)
         elif invalid_rows[i]:
-            errors[i] = ("this sequence's sampling parameters (logit_bias, allowed_token_ids, its grammar or the "
-                         "filters) left no token to choose: loosen them so they allow at least one token at "
-                         "every step")
-            request_faults.add(i)
+            errors[i] = RowError("this sequence's sampling parameters (logit_bias, allowed_token_ids, its grammar or "
+                                 "the filters) left no token to choose: loosen them so they allow at least one token "
+                                 "at every step", True)
     want = [s.params.logprobs for s in seqs]
     if all(w is None for w in want):
-        return SampleResult(token_ids, None, errors, request_faults)
+        return SampleResult(token_ids, None, errors)
     logprobs_all = raw.log_softmax(-1)
     logprobs = [None if w is None or i in errors else token_logprobs(logprobs_all[i], token_ids[i], w)
                 for i, w in enumerate(want)]
-    return SampleResult(token_ids, logprobs, errors, request_faults)
+    return SampleResult(token_ids, logprobs, errors)
 
 
 def verify_draft(logits: torch.Tensor, seq: Sequence) -> list[int]:
