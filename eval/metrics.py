@@ -346,6 +346,21 @@ def model_identity(manifest: dict) -> dict:
             if k not in skip and not k.startswith("plots/")}
 
 
+def artifact_result(llm, art, windows, data_info: dict, settings: EvalSettings, say) -> dict:
+    """An evaluation's own part, whichever way the baseline runs: what was evaluated, on what, and its perplexity."""
+    result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
+                    "artifact": artifact_summary(art.path, art.manifest)}
+    say("perplexity: %d windows, %d tokens scored", data_info["windows"], data_info["tokens_scored"])
+    result["perplexity"] = engine_perplexity(llm, windows)
+    return result
+
+
+def add_ppl_increase(result: dict) -> None:
+    """The comparison's perplexity increase over the baseline's, in percent."""
+    p, pb = result["perplexity"]["ppl"], result["baseline_perplexity"]["ppl"]
+    result["comparison"]["ppl_increase_pct"] = (p / pb - 1.0) * 100.0
+
+
 def evaluate(artifact, baseline, settings: EvalSettings, log=None, memory_bytes: int | None = None) -> dict:
     """Every metric for one artifact (and against a baseline when given), as plain JSON-able data.
 
@@ -371,10 +386,7 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None, memory_bytes:
             return _evaluate_apart(art, base, settings, max_len, say)
     llm = open_llm(art, max_len)
     windows, data_info = load_windows(llm.tokenizer, settings)
-    result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
-                    "artifact": artifact_summary(art.path, art.manifest)}
-    say("perplexity: %d windows, %d tokens scored", data_info["windows"], data_info["tokens_scored"])
-    result["perplexity"] = engine_perplexity(llm, windows)
+    result = artifact_result(llm, art, windows, data_info, settings, say)
     prompts = load_prompts(settings.prompts, settings.max_prompts) if baseline is not None else []
     if baseline is not None:
         if same:
@@ -404,8 +416,7 @@ def evaluate(artifact, baseline, settings: EvalSettings, log=None, memory_bytes:
                 comp.update(compare_on_chat(llm, base_llm, prompts, settings.greedy_tokens, memo_key=identity))
             result["comparison"] = comp
             del base_llm
-        p, pb = result["perplexity"]["ppl"], result["baseline_perplexity"]["ppl"]
-        result["comparison"]["ppl_increase_pct"] = (p / pb - 1.0) * 100.0
+        add_ppl_increase(result)
     if settings.tasks:
         from .lm_adapter import run_tasks
 
@@ -477,10 +488,7 @@ def _evaluate_apart(art, base, settings: EvalSettings, max_len: int, say) -> dic
         llm = open_llm(art, max_len)
         if llm.tokenizer.encode(PROBE_TEXT) != probe:
             raise EvalError(f"{base.path}: its tokenizer differs from {art.path}'s; a baseline must share it")
-        result: dict = {"eval_version": EVAL_VERSION, "settings": asdict(settings), "data": data_info,
-                        "artifact": artifact_summary(art.path, art.manifest)}
-        say("perplexity: %d windows, %d tokens scored", data_info["windows"], data_info["tokens_scored"])
-        result["perplexity"] = engine_perplexity(llm, windows)
+        result = artifact_result(llm, art, windows, data_info, settings, say)
         result["baseline"] = artifact_summary(base.path, base.manifest)
         result["baseline_perplexity"] = base_ppl
         say("KL divergence and top-1 agreement against the baseline's kept distributions")
@@ -490,8 +498,7 @@ def _evaluate_apart(art, base, settings: EvalSettings, max_len: int, say) -> dic
             comp.update(compare_on_chat(llm, None, prompts, settings.greedy_tokens,
                                         reference={"answers": answers, "logprobs": chat_lps}))
         result["comparison"] = comp
-        p, pb = result["perplexity"]["ppl"], base_ppl["ppl"]
-        result["comparison"]["ppl_increase_pct"] = (p / pb - 1.0) * 100.0
+        add_ppl_increase(result)
         if settings.tasks:
             from .lm_adapter import run_tasks
 
