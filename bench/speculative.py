@@ -3,7 +3,7 @@
 Two committed prompt sets (bench/prompts/): ``grounded`` (quoting, extracting from and editing a
 given text: where prompt lookup finds drafts) and ``chat`` (open questions: where it mostly finds
 none, and must not slow decoding down). Each prompt runs alone (batch 1), greedy, to
-``--max-tokens``; three engines take turns per round, the order alternating: no speculation, n-gram
+``--max-tokens``; three engines take turns on each prompt, the order alternating: no speculation, n-gram
 drafts of the adaptive length (at most K, runtime/engine/speculative.py's draft_length) and of K
 always; with ``--draft DIR``, a fourth: a draft artifact's greedy tokens, adaptive k
 (runtime/engine/draft_model.py). Reported per set and mode: tokens/s, the speed-up over no speculation, the mean tokens a
@@ -71,19 +71,22 @@ def main(argv=None) -> None:
     for name in SETS:
         prompts = [tok.apply_chat_template(m) for m in load_set(name)]
         rates = {mode: [] for mode in modes}
-        texts = {}
         stats0 = {mode: dict(llm.engine.stats) for mode, llm in engines.items()}
         for r in range(args.rounds):
-            for mode in (modes if r % 2 == 0 else modes[::-1]):  # the order alternates round to round
-                llm, tokens, seconds, outs = engines[mode], 0, 0.0, []
-                for prompt in prompts:  # one at a time: batch 1
+            tokens, seconds, outs = ({mode: 0 for mode in modes}, {mode: 0.0 for mode in modes},
+                                     {mode: [] for mode in modes})
+            for i, prompt in enumerate(prompts):  # one at a time: batch 1
+                # every mode on each prompt in turn, the order alternating prompt to prompt: a host whose speed
+                # shifts for minutes at a time (these do) shifts every mode alike
+                for mode in (modes if (r + i) % 2 == 0 else modes[::-1]):
                     t0 = time.perf_counter()
-                    out = llm.generate([prompt], params)[0]
-                    seconds += time.perf_counter() - t0
-                    tokens += len(out.token_ids)
-                    outs.append(out.token_ids)
-                rates[mode].append(tokens / seconds)
-                texts[mode] = outs
+                    out = engines[mode].generate([prompt], params)[0]
+                    seconds[mode] += time.perf_counter() - t0
+                    tokens[mode] += len(out.token_ids)
+                    outs[mode].append(out.token_ids)
+            for mode in modes:
+                rates[mode].append(tokens[mode] / seconds[mode])
+            texts = outs
         off = statistics.median(rates["off"])
         row = {"prompts": len(prompts), "rounds": args.rounds, "tokens_per_s_off": round(off, 1),
                "rounds_off": [round(x, 1) for x in rates["off"]]}
