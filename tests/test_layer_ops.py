@@ -60,8 +60,9 @@ def test_add_rms_norm_matches_torch(ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_in_place_matches_torch(ops, dtype):
-    heads, kv_heads, head_dim, rows = 6, 2, 32, 21
+@pytest.mark.parametrize("head_dim", [32, 40, 64])  # 16 pairs a vector: one, one and a scalar tail, two
+def test_rotary_in_place_matches_torch(ops, dtype, head_dim):
+    heads, kv_heads, rows = 6, 2, 21
     ref, fused = pair(RotaryEmbedding, head_dim, 10000.0, 512, ops=ops)
     # a fused qkv row: q and k heads rotate, v (the tail) must stay untouched
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).to(dtype)

@@ -65,31 +65,6 @@ void rms_norm_rows(const T* x, int64_t x_stride, T* residual, const T* weight, T
   });
 }
 
-// Rotates the first `heads` heads of each row in place: x*cos + rotate_half(x)*sin, with cos and
-// sin (float32 tables indexed by position) rounded to T first and each product rounded, as
-// transformers' apply_rotary_pos_emb computes it in T.
-template <typename T>
-void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float* cos, const float* sin,
-                 int64_t rows, int64_t heads, int64_t head_dim) {
-  const int64_t half = head_dim / 2;
-  at::parallel_for(0, rows, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* c = cos + positions[r] * head_dim;
-      const float* s = sin + positions[r] * head_dim;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        T* xh = x + r * row_stride + hd * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
-          const float a = round_to<T>(x1 * round_to<T>(c[i])) + round_to<T>(-x2 * round_to<T>(s[i]));
-          const float b = round_to<T>(x2 * round_to<T>(c[i + half])) + round_to<T>(x1 * round_to<T>(s[i + half]));
-          xh[i] = from_float<T>(a);
-          xh[i + half] = from_float<T>(b);
-        }
-      }
-    }
-  });
-}
-
 // SiLU on float32 values: g / (1 + exp(-g)).
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
@@ -125,6 +100,45 @@ inline __m512 round16(__m512 v, at::Half) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #endif
+
+// Rotates the first `heads` heads of each row in place: x*cos + rotate_half(x)*sin, with cos and
+// sin (float32 tables indexed by position) rounded to T first and each product rounded, as
+// transformers' apply_rotary_pos_emb computes it in T.
+template <typename T>
+void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float* cos, const float* sin,
+                 int64_t rows, int64_t heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, rows, grain(heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos + positions[r] * head_dim;
+      const float* s = sin + positions[r] * head_dim;
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* xh = x + r * row_stride + hd * head_dim;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        // 16 pairs at once, the same products and roundings (a decode row's 12 heads took ~5 us a layer scalar)
+        for (; i + 16 <= half; i += 16) {
+          const __m512 x1 = load16(xh + i), x2 = load16(xh + i + half);
+          const __m512 c1 = round16(load16(c + i), T{}), s1 = round16(load16(s + i), T{});
+          const __m512 c2 = round16(load16(c + i + half), T{}), s2 = round16(load16(s + i + half), T{});
+          const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+          const __m512 a = _mm512_add_ps(round16(_mm512_mul_ps(x1, c1), T{}), round16(_mm512_mul_ps(neg_x2, s1), T{}));
+          const __m512 b = _mm512_add_ps(round16(_mm512_mul_ps(x2, c2), T{}), round16(_mm512_mul_ps(x1, s2), T{}));
+          store16(xh + i, a);
+          store16(xh + i + half, b);
+        }
+#endif
+        for (; i < half; ++i) {
+          const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
+          const float a = round_to<T>(x1 * round_to<T>(c[i])) + round_to<T>(-x2 * round_to<T>(s[i]));
+          const float b = round_to<T>(x2 * round_to<T>(c[i + half])) + round_to<T>(x1 * round_to<T>(s[i + half]));
+          xh[i] = from_float<T>(a);
+          xh[i + half] = from_float<T>(b);
+        }
+      }
+    }
+  });
+}
 
 // out[r] = silu(gate) * up for rows [gate | up] of x, SiLU rounded to T before the product, as
 // torch's F.silu(gate) * up rounds.

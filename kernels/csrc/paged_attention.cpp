@@ -841,6 +841,25 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
 
 }  // namespace
 
+// Every decode sequence's context length, window start (or none) and used block ids, checked against its table
+// and the cache before anything is read: kernels/csrc/step_layers.cpp checks a step's tables once with this, for
+// every layer.
+inline void check_decode_tables(const int64_t* lens, const int64_t* tables, const int64_t* starts, int64_t num_seqs,
+                                int64_t max_blocks, int64_t block_size, int64_t num_blocks) {
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "paged_decode_attention: context length ",
+                lens[s], " of sequence ", s, " is outside 1..", max_blocks * block_size,
+                " (its block table's ", max_blocks, " blocks of ", block_size, " tokens)");
+    const int64_t first = starts ? starts[s] : 0;
+    TORCH_CHECK(first >= 0 && first < lens[s], "paged_decode_attention: start ", first, " of sequence ", s,
+                " is outside 0..", lens[s] - 1, " (its context length less one)");
+    const int64_t* table = tables + s * max_blocks;
+    for (int64_t b = first / block_size, used = (lens[s] + block_size - 1) / block_size; b < used; ++b)
+      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block id ", table[b],
+                  " at block_tables[", s, "][", b, "] is outside the cache's ", num_blocks, " blocks");
+  }
+}
+
 // q: [seqs, heads, head_dim]; k_cache, v_cache: [blocks, block_size, kv_heads, head_dim] of q's dtype, or
 // int8 [blocks, kv_heads, block_size, head_dim + 2] (values and a bfloat16 scale a row, head-major);
 // block_tables: [seqs, max_blocks] int64; context_lens: [seqs] int64; starts: none, or [seqs] int64, the
@@ -892,18 +911,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                 starts_t.sizes(), " ", starts_t.scalar_type());
     starts = starts_t.data_ptr<int64_t>();
   }
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK(lens[s] > 0 && lens[s] <= max_blocks * block_size, "paged_decode_attention: context length ",
-                lens[s], " of sequence ", s, " is outside 1..", max_blocks * block_size,
-                " (its block table's ", max_blocks, " blocks of ", block_size, " tokens)");
-    const int64_t first = starts ? starts[s] : 0;
-    TORCH_CHECK(first >= 0 && first < lens[s], "paged_decode_attention: start ", first, " of sequence ", s,
-                " is outside 0..", lens[s] - 1, " (its context length less one)");
-    const int64_t* table = tables + s * max_blocks;
-    for (int64_t b = first / block_size, used = (lens[s] + block_size - 1) / block_size; b < used; ++b)
-      TORCH_CHECK(table[b] >= 0 && table[b] < num_blocks, "paged_decode_attention: block id ", table[b],
-                  " at block_tables[", s, "][", b, "] is outside the cache's ", num_blocks, " blocks");
-  }
+  check_decode_tables(lens, tables, starts, num_seqs, max_blocks, block_size, num_blocks);
   TORCH_CHECK(softcap >= 0.0, "paged_decode_attention: softcap must be 0 (none) or positive; got ", softcap);
   auto out = torch::empty_like(q);
   const auto run = [&](auto tag) {
