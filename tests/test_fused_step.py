@@ -113,6 +113,34 @@ def test_a_step_without_chunks_whose_rows_are_not_all_decodes_is_refused(embedde
 
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: the model runs its Python layer loop, "
                                           "which every other engine test covers")
+@pytest.mark.parametrize("bad", ["slot", "block", "length"])
+def test_a_decode_steps_bad_slot_or_table_is_refused_before_anything_is_written(embedded_artifact, bad):
+    """A decode-only step checks its slots and block tables once, for every layer, before it writes a key or
+    reads the cache through them (it then works on pointers): an index outside the cache is refused by name
+    and the cache is left as it was."""
+    llm = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=16 << 20, tuning="off", amx=False)
+    fused, cfg, kv_cache = llm.engine.model.fused_step, llm.engine.model.config, llm.engine.runner.kv_cache
+    blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+    before = kv_cache.clone()
+    x = torch.randn(2, cfg.hidden_size).to(torch.bfloat16)
+    long = dict(dtype=torch.long)
+    slots, tables, lens = torch.tensor([0, block_size]), torch.tensor([[0], [1]]), torch.tensor([1, 1])
+    if bad == "slot":
+        slots[1], match = blocks * block_size, "slot .* outside the cache"
+    elif bad == "block":
+        tables[1, 0], match = blocks, "block id .* outside the cache"
+    else:
+        lens[0], match = block_size + 1, "context length .* outside"
+    with pytest.raises(RuntimeError, match=match):
+        FUSED.step_layers(x, torch.empty_like(x), fused.weights, kv_cache, slots, torch.zeros(2, **long),
+                          fused.rotary.cos, fused.rotary.sin, *fused.no_chunks, torch.arange(2), tables, lens,
+                          *fused.no_chunks[:1], fused.window_layers, False, cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
+    assert torch.equal(kv_cache, before)
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: the model runs its Python layer loop, "
+                                          "which every other engine test covers")
 @pytest.mark.parametrize("amx", AMX_MODES)
 def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_artifact, cache_dir, amx):
     """Qwen2's q/k/v carry a bias: the fused step adds it where the packed linear does (float32 on the
