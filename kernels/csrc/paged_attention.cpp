@@ -937,6 +937,23 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+// Every slot a step writes, checked against the cache's capacity (blocks x block_size) before anything is written:
+// store_kv_ and kernels/csrc/step_layers.cpp's decode steps.
+inline void check_slots(const int64_t* slot, int64_t n, int64_t capacity) {
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "store_kv_: slot ", slot[t], " outside the cache of ", capacity);
+}
+
+// A cache of the model's dtype: row t of k and of v (`bytes` each, rows `k_stride` / `v_stride` bytes apart) copied
+// into slot[t] of k_cache and v_cache.
+inline void store_rows(char* k_cache, char* v_cache, const int64_t* slot, int64_t n, const char* k, int64_t k_stride,
+                       const char* v, int64_t v_stride, int64_t bytes) {
+  for (int64_t t = 0; t < n; ++t) {
+    std::memcpy(k_cache + slot[t] * bytes, k + t * k_stride, bytes);
+    std::memcpy(v_cache + slot[t] * bytes, v + t * v_stride, bytes);
+  }
+}
+
 // Writes a step's new keys and values into their cache slots, both in one call: k, v [T, kv_heads,
 // head_dim] with rows that may be strided (slices of the fused qkv projection are); slots [T] int64,
 // each block * block_size + offset. Two index_copy_ calls otherwise, twice the dispatch per layer.
@@ -963,8 +980,7 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.dim() == 1,
               "store_kv_: slots must be a contiguous [T] int64 tensor");
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t)  // all checked before anything is written
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "store_kv_: slot ", slot[t], " outside the cache of ", capacity);
+  check_slots(slot, slots.numel(), capacity);
   if (q8) {
     const auto run = [&](auto tag) {
       using scalar_t = decltype(tag);
@@ -997,11 +1013,7 @@ void store_kv_(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots
   char* vc = static_cast<char*>(v_cache.data_ptr());
   const char* ks = static_cast<const char*>(k.data_ptr());
   const char* vs = static_cast<const char*>(v.data_ptr());
-  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
-  for (int64_t t = 0; t < slots.numel(); ++t) {
-    std::memcpy(kc + slot[t] * bytes, ks + t * k_stride, bytes);
-    std::memcpy(vc + slot[t] * bytes, vs + t * v_stride, bytes);
-  }
+  store_rows(kc, vc, slot, slots.numel(), ks, k.stride(0) * k.element_size(), vs, v.stride(0) * v.element_size(), bytes);
 }
 
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernels alone

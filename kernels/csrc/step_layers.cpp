@@ -187,9 +187,7 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<t
     slot = slots.data_ptr<int64_t>();
     tables = block_tables.data_ptr<int64_t>();
     lens = context_lens.data_ptr<int64_t>();
-    const int64_t capacity = kv_cache.size(2) * kv_cache.size(3);
-    for (int64_t r = 0; r < rows; ++r)
-      TORCH_CHECK(slot[r] >= 0 && slot[r] < capacity, "step_layers: slot ", slot[r], " outside the cache of ", capacity);
+    attention::check_slots(slot, rows, kv_cache.size(2) * kv_cache.size(3));
     attention::check_decode_tables(lens, tables, nullptr, rows, block_tables.size(1), kv_cache.size(3),
                                    kv_cache.size(2));
     if (windowed != nullptr) {
@@ -216,15 +214,15 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, std::vector<t
     layer_ops::rotary_(qkv, positions, cos, sin, heads + kv_heads, head_dim);
     torch::Tensor attn;
     if (raw_decode) {
+      constexpr int64_t bf16 = sizeof(at::BFloat16);
       const auto* row = reinterpret_cast<const at::BFloat16*>(qkv.data_ptr());
       auto* q = q_rows.data_ptr<at::BFloat16>();
       auto* k_cache = kv_cache.data_ptr<at::BFloat16>() + l * kv_cache.stride(0);
       auto* v_cache = k_cache + kv_cache.stride(1);
-      for (int64_t r = 0; r < rows; ++r, row += qkv_size) {  // as store_kv_ stores them
-        std::memcpy(q + r * q_size, row, q_size * sizeof(at::BFloat16));
-        std::memcpy(k_cache + slot[r] * kv_size, row + q_size, kv_size * sizeof(at::BFloat16));
-        std::memcpy(v_cache + slot[r] * kv_size, row + q_size + kv_size, kv_size * sizeof(at::BFloat16));
-      }
+      for (int64_t r = 0; r < rows; ++r) std::memcpy(q + r * q_size, row + r * qkv_size, q_size * bf16);
+      attention::store_rows(reinterpret_cast<char*>(k_cache), reinterpret_cast<char*>(v_cache), slot, rows,
+                            reinterpret_cast<const char*>(row + q_size), qkv_size * bf16,
+                            reinterpret_cast<const char*>(row + q_size + kv_size), qkv_size * bf16, kv_size * bf16);
       attention::decode_kernel<at::BFloat16>(q, k_cache, v_cache, tables, lens, windowed && windowed[l] ? starts : nullptr,
                                              attn_rows.data_ptr<at::BFloat16>(), rows, heads, kv_heads, head_dim,
                                              kv_cache.size(3), block_tables.size(1), static_cast<float>(scale), 0.f);
