@@ -306,6 +306,28 @@ def test_a_mixed_model_steps_in_one_call_with_the_python_loops_bits(embedded_art
         assert [a["logprob"] for a in g.logprobs] == [b["logprob"] for b in w.logprobs]
 
 
+@needs_kernel
+def test_streamed_quantized_weights_move_to_one_huge_page_arena_unchanged(fresh_seed):
+    """place_streamed (what the loader calls) puts every blocks linear's streamed buffers, 8-bit and int4, in one
+    2 MiB-aligned arena, and each layer then gives the very same bits."""
+    from infer.kernels import hugepages
+    from infer.runtime.model.quant_linear import make_linear, place_streamed
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    model = torch.nn.ModuleList(make_linear(_quantized(torch.randn(96, 128, generator=gen), kind), None, torch.bfloat16)
+                                for kind in ("w8a16", "w8a8", "fp8", "w4a16"))
+    assert {m.backend for m in model} == {"cpu-int8-blocks", "cpu-w8a8-blocks", "cpu-fp8-blocks", "cpu-int4-blocks"}
+    x = torch.randn(3, 128, generator=gen).to(torch.bfloat16)
+    before = [m(x) for m in model]
+    moved = place_streamed(model)
+    buffers = [getattr(m, name) for m in model for name in m.streamed if getattr(m, name) is not None]
+    assert moved >= sum(b.numel() * b.element_size() for b in buffers) and len(buffers) >= 9
+    assert len({b.untyped_storage().data_ptr() for b in buffers}) == 1
+    assert min(b.data_ptr() for b in buffers) % hugepages.HUGE == 0
+    for m, want in zip(model, before):
+        assert torch.equal(m(x), want), m.backend
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_the_torch_w8a8_linear_sums_exactly_with_or_without_vnni(monkeypatch, split, fresh_seed):
     """runtime's cpu-w8a8 (torch._int_mm): where oneDNN has no VNNI its int16 pair sums saturate, so the

@@ -194,7 +194,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
     if cfg.tie_word_embeddings and "lm_head" not in quantized:
         model.lm_head.weight = model.embed_tokens.weight
     if quantized:
-        from .quant_linear import make_linear
+        from .quant_linear import make_linear, place_streamed
 
         for name in list(quantized):  # each stored weight let go once its kernel's layout is built
             qweight = quantized.pop(name)
@@ -202,6 +202,8 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
             setattr(model.get_submodule(parent) if parent else model, attr,
                     make_linear(qweight, state.get(name + ".bias"), dtype, device).to(device))
             del qweight
+        if device.type == "cpu":
+            place_streamed(model)
     del state, hf  # the model holds what it uses: packing below then frees each plain weight as it goes
     model.rotary = RotaryEmbedding.for_config(cfg).to(device)
     if cfg.local_rope_layers:  # Gemma 3's sliding layers' own
