@@ -4,9 +4,7 @@ A batch-1 decode step reads every weight once. On 4 KiB pages that is one TLB mi
 every 4 KiB, tens of thousands a step; on 2 MiB transparent huge pages, a few hundred. Measured on
 a Zen 4 host without AMX (2 threads), the embedded model's packed linears read 28-34 GB/s from one
 huge-page arena against 20-23 GB/s as separate tensors on small pages; int4 weights on a Zen 5 host
-0.61 of a `sum`'s bandwidth against 0.44. The runtime places the column-block bfloat16 weights
-(runtime/model/packed_linear.py) and the quantized blocks linears' buffers (runtime/model/quant_linear.py,
-place_streamed) here; the benchmarks' bandwidth probe (bench/single.py) reads the same kind of memory.
+0.61 of a `sum`'s bandwidth against 0.44 (docs/kernels.md says which weights live here).
 
 ``arena(nbytes)`` returns a uint8 tensor aligned to 2 MiB and marked ``MADV_HUGEPAGE`` before it is
 first touched (the kernel hands out huge pages on first fault). Where the system says never (or is

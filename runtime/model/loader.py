@@ -202,8 +202,7 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, kernels="auto
             setattr(model.get_submodule(parent) if parent else model, attr,
                     make_linear(qweight, state.get(name + ".bias"), dtype, device).to(device))
             del qweight
-        if device.type == "cpu":
-            place_streamed(model)
+        place_streamed(model)  # CPU buffers only
     del state, hf  # the model holds what it uses: packing below then frees each plain weight as it goes
     model.rotary = RotaryEmbedding.for_config(cfg).to(device)
     if cfg.local_rope_layers:  # Gemma 3's sliding layers' own

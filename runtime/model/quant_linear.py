@@ -121,12 +121,12 @@ def place_streamed(model: nn.Module) -> int:
     moved = [(module, name, tensor) for module in model.modules() if isinstance(module, QuantLinear)
              for name in module.streamed
              if (tensor := getattr(module, name, None)) is not None and tensor.device.type == "cpu"]
-    sizes = [-(-t.numel() * t.element_size() // align) * align for _, _, t in moved]
+    sizes = [-(-t.nbytes // align) * align for _, _, t in moved]
     if not moved:
         return 0
     memory, offset = hugepages.arena(sum(sizes)), 0
     for (module, name, tensor), size in zip(moved, sizes):
-        slot = memory[offset:offset + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+        slot = memory[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         slot.copy_(tensor)
         setattr(module, name, slot)  # a registered buffer: replaced, and the old copy let go here
         offset += size
