@@ -67,11 +67,29 @@ def pack_w8a16(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torc
     return padded.view(blocks, width, k).transpose(1, 2).contiguous(), scales
 
 
-def pack_fp8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [N, K] float8_e4m3fn, scale [N] (w = q scale) -> (packed [ceil(N/W), K, W] uint8 holding the e4m3
-    bytes, scales [ceil(N/W) W] float32): W8A16's layout (the padding bytes 0: e4m3 zero)."""
-    packed, scales = pack_w8a16(q.view(torch.int8), scale)
-    return packed.view(torch.uint8), scales
+def pack_fp8(q: torch.Tensor, scale: torch.Tensor, pairs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] float8_e4m3fn, scale [N] (w = q scale) -> (packed uint8 e4m3 bytes, scales [ceil(N/W) W] float32),
+    in the layout the built kernel decodes (``pairs``: the module's ``fp8_pairs()`` unless given):
+    - W8A16's [ceil(N/W), K, W] where bytes are widened to float32 (the padding bytes 0: e4m3 zero);
+    - [ceil(N/W), K'/2, W, 2] where they are looked up as bfloat16 pairs (AVX-512 BF16 + VBMI; K' = K rounded up
+      to even, the pad zero): each 64 bytes hold 32 columns' (k, k + 1) pairs in the slot order that
+      kernels/csrc/int8_linear.cpp's in-lane byte interleave puts back in column order."""
+    if pairs is None:
+        module = load()
+        pairs = module is not None and module.fp8_pairs()
+    padded, scales, blocks, width = _blocks(q.view(torch.int8), scale)
+    if not pairs:
+        k = q.shape[1]
+        return padded.view(blocks, width, k).transpose(1, 2).contiguous().view(torch.uint8), scales
+    k = q.shape[1] + q.shape[1] % 2
+    padded = torch.nn.functional.pad(padded, (0, k - q.shape[1]))
+    packed = padded.view(blocks, width // 32, 32, k // 2, 2)[:, :, _FP8_PAIR_SLOTS]  # slot s holds its column
+    return packed.permute(0, 3, 1, 2, 4).reshape(blocks, k // 2, width, 2).contiguous().view(torch.uint8), scales
+
+
+# the column of 32 that each pair slot of a 64-byte chunk holds: slot 8 l + i is column 4 l + i (i < 4) or
+# 16 + 4 l + i - 4 (i >= 4)
+_FP8_PAIR_SLOTS = torch.tensor([4 * (s // 8) + s % 8 if s % 8 < 4 else 16 + 4 * (s // 8) + s % 8 - 4 for s in range(32)])
 
 
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

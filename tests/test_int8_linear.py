@@ -151,7 +151,7 @@ def _torch_fp8(x: torch.Tensor):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m, n, k, bias", SHAPES)
+@pytest.mark.parametrize("m, n, k, bias", SHAPES + [(2, 64, 97, True), (9, 100, 97, False)])  # odd K: a padded pair
 def test_fp8_computes_the_declared_scheme(m, n, k, bias, fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     q, scale = _fp8_weight(n, k, gen)

@@ -26,6 +26,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "call_buffer.h"
 #include "float_storage.h"
 #include "simd_math.h"
 #include "work_split.h"
@@ -368,11 +369,18 @@ void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tenso
   const float* b = in.bias;
   // x widened once (exact), so that the tiles broadcast float32 straight from memory (a plain loop: a torch
   // op's dispatch would cost a decode step's small linears a good share of their time)
-  std::vector<float> xf(m * k);
+  // (a prompt chunk's rows over the threads)
+  float* xf = infer::call_buffer<float>(m * k);
   const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
-  for (int64_t r = 0; r < m; ++r)
-    for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
-  const float* xp = xf.data();
+  auto widen = [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r)
+      for (int64_t i = 0; i < k; ++i) xf[r * k + i] = infer::to_float(xb[r * x.stride(0) + i]);
+  };
+  if (m >= infer::kDynamicRows)
+    at::parallel_for(0, m, 1, widen);
+  else
+    widen(0, m);
+  const float* xp = xf;
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const int64_t block_elems = pairs * width * 2;
   infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r, int64_t r1) {

@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "call_buffer.h"
 #include "float_storage.h"
 #include "simd_math.h"
 #include "work_split.h"
@@ -297,7 +298,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto y = torch::empty({m, n}, x.options());
   // sum of x over each group, in float32, from the bfloat16 values the products use (a prompt chunk's rows over
   // the threads)
-  std::vector<float> xsum(m * groups);
+  float* xsum = infer::call_buffer<float, 1>(m * groups);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t group_size = k / groups;
   const bool widened = m >= infer::kDynamicRows;
@@ -324,7 +325,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     });
   else
     for (int64_t r = 0; r < m; ++r) sum_row(r);
-  const Args a{xp, xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
+  const Args a{xp, xsum, reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
                reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups, group_size / 8};
   if (widened)
     infer::for_blocks_and_rows(
@@ -597,7 +598,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   // would cost a decode step's linear a good share of its time
   const auto* xp = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   const int64_t group_size = k / groups;
-  std::vector<float> xf(m * k), xsum(m * groups);
+  float* xf = infer::call_buffer<float>(m * k);
+  float* xsum = infer::call_buffer<float, 1>(m * groups);
   const bool widened = m >= infer::kDynamicRows;
   if (!widened) {
     for (int64_t r = 0; r < m; ++r)
@@ -619,12 +621,12 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
         const int64_t rows = std::min<int64_t>(8, m - r0);
         for (int64_t r = r0; r < r0 + rows; ++r) {
           int64_t i = 0;
-          for (; i + kLanes <= k; i += kLanes) vstore(xf.data() + r * k + i, load_bf16(xb + r * k + i));
+          for (; i + kLanes <= k; i += kLanes) vstore(xf + r * k + i, load_bf16(xb + r * k + i));
           for (; i < k; ++i) xf[r * k + i] = infer::to_float(xp[r * k + i]);
         }
         for (int64_t g = 0; g < groups; ++g) {
           float t[8] = {};
-          const float* xg = xf.data() + r0 * k + g * group_size;
+          const float* xg = xf + r0 * k + g * group_size;
           if (rows == 8) {
             for (int64_t i = 0; i < group_size; ++i)
 #pragma GCC unroll 8
@@ -638,7 +640,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       }
     });
   }
-  const Args a{xf.data(), xsum.data(), reinterpret_cast<const uint32_t*>(packed.data_ptr()),
+  const Args a{xf, xsum, reinterpret_cast<const uint32_t*>(packed.data_ptr()),
                scales.data_ptr<float>(), off, b, reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups,
                group_size / 8};
   if (widened)

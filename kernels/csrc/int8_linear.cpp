@@ -19,13 +19,16 @@
 //   registers (sign-extended, shifted into a float32's exponent and mantissa, times 2^120) and each row's codes
 //   are kept as the floats they stand for; a product of two e4m3 values (4 significant bits each) is exact in
 //   float32, so the sums are float32 as the declared scheme computes them, then
-//   y = round_bf16(fma(sum, x_scale * w_scale, bias)), as W8A8. Same layout and tiles as W8A16.
+//   y = round_bf16(fma(sum, x_scale * w_scale, bias)), as W8A8. Same layout and tiles as W8A16, except on
+//   AVX-512 BF16 with VBMI, where each byte is looked up as the bfloat16 its value is and multiplied with
+//   vdpbf16ps against the codes as bfloat16 (its own pairs layout; see rows_of_block_fp8).
 //
 // A decode step reads every weight once: an int8 weight is half of a bfloat16 one's bytes. Weights are
 // packed once, at load (kernels/int8_linear.py), per block of W = 64 output columns (32 for a weight of at
 // most 1024 columns, so a decode step's blocks split evenly over threads, as bf16_linear.cpp does), each
 // block one sequential stream:
-// - W8A16 and FP8: [N/W][K][W]: row k holds the block's W weights of input k (one cache line at W = 64).
+// - W8A16 and FP8: [N/W][K][W]: row k holds the block's W weights of input k (one cache line at W = 64);
+//   FP8 on AVX-512 BF16 with VBMI: [N/W][K/2][W][2], each column's (k, k + 1) bytes side by side.
 // - W8A8: [N/W][K/4][W][4]: each 32-bit word holds one column's 4 consecutive k, the operand vpdpbusd
 //   takes; without VNNI, (word << 8) >> 8 and word >> 8 in 16-bit halves (arithmetic) give the (k, k+2)
 //   and (k+1, k+3) pairs as int16, each multiplied by vpmaddwd against a broadcast pair of x codes.
@@ -35,6 +38,7 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "call_buffer.h"
 #include "float_storage.h"
 #include "simd_math.h"
 #include "work_split.h"
@@ -57,17 +61,20 @@ struct Int8Inputs {
   const float* bias;   // [n] or nullptr
 };
 
+// dims 3: [blocks, K, W] (W8A16, FP8 decoded to float32); 4: [blocks, K / ks, W, ks], ks k a column's word holds
+// (W8A8: 4; FP8 in bfloat16 pairs: 2, K padded to even with zero bytes)
 inline Int8Inputs check_int8_inputs(const char* name, const torch::Tensor& x, const torch::Tensor& packed,
                                     const torch::Tensor& scales, int64_t n, const c10::optional<torch::Tensor>& bias,
-                                    int64_t dims, at::ScalarType codes = at::kChar) {
+                                    int64_t dims, at::ScalarType codes = at::kChar, int64_t ks = 4) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, name,
               ": x must be a [M, K] bfloat16 tensor with contiguous rows");
   TORCH_CHECK(packed.dim() == dims && packed.scalar_type() == codes && packed.is_contiguous() &&
-                  (packed.size(2) == 64 || packed.size(2) == 32) && (dims == 3 || packed.size(3) == 4),
+                  (packed.size(2) == 64 || packed.size(2) == 32) && (dims == 3 || packed.size(3) == ks),
               name, ": the weight must be packed by kernels/int8_linear.py");
   const int64_t m = x.size(0), blocks = packed.size(0), width = packed.size(2);
-  const int64_t k = dims == 3 ? packed.size(1) : 4 * packed.size(1);
-  TORCH_CHECK(x.size(1) == k, name, ": x has ", x.size(1), " features, the packed weight ", k);
+  const int64_t k = dims == 3 ? packed.size(1) : ks * packed.size(1);
+  TORCH_CHECK(x.size(1) == k || (ks == 2 && x.size(1) == k - 1), name, ": x has ", x.size(1),
+              " features, the packed weight ", k);
   TORCH_CHECK(n > (blocks - 1) * width && n <= blocks * width, name, ": ", n,
               " output features do not match the packed weight's ", blocks, " blocks");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == blocks * width, name,
@@ -78,7 +85,7 @@ inline Int8Inputs check_int8_inputs(const char* name, const torch::Tensor& x, co
                 ": bias must be a contiguous float32 [N] tensor");
     b = bias->data_ptr<float>();
   }
-  return {m, k, blocks, width, scales.data_ptr<float>(), b};
+  return {m, x.size(1), blocks, width, scales.data_ptr<float>(), b};
 }
 
 // A bfloat16's bits as the float32 it is
@@ -460,6 +467,132 @@ inline void store_bf16_exact(uint16_t* p, vf v) {
 constexpr bool kPairs = false;
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// FP8 on AVX-512 BF16 with VBMI: every e4m3 value is a bfloat16 value, so each weight byte is looked up as the
+// two bytes of its bfloat16 (two vpermi2b on 128-entry tables indexed by the byte's low 7 bits, the sign bit
+// OR-ed back into the high byte), the halves interleaved into (k, k + 1) pairs, and vdpbf16ps multiplies the pairs
+// against the row's e4m3 codes as bfloat16 pairs: 5 instructions decode 64 weights, where widening to float32
+// for FMA takes 5 for 16. The products are exact in float32 and summed in float32, as on the FMA path (in
+// another order). The weight is packed for it ([blocks][K/2][W][2], kernels/int8_linear.py): each 64-byte
+// chunk holds 32 columns' pairs, column j < 16 at pair slot 8 (j / 4) + j % 4 and column 16 + j at
+// 8 (j / 4) + 4 + j % 4, so that the in-lane byte interleave (vpunpcklbw / vpunpckhbw) leaves columns 0-15 and
+// 16-31 in order.
+constexpr bool kFp8Table = true;
+
+struct E4m3Tables {  // high and low bytes of the bfloat16 each positive e4m3 code (0 .. 0x7E) stands for
+  alignas(64) uint8_t high[128];
+  alignas(64) uint8_t low[128];
+  E4m3Tables() {
+    for (int c = 0; c < 128; ++c) {
+      const int e = c >> 3, m = c & 7;
+      const float v = c == 0x7F ? 0.f : e > 0 ? std::ldexp(1.f + m / 8.f, e - 7) : std::ldexp(m / 8.f, -6);
+      uint32_t bits;
+      std::memcpy(&bits, &v, 4);  // at most 4 significant bits: the top 16 bits are the value exactly
+      high[c] = static_cast<uint8_t>(bits >> 24);
+      low[c] = static_cast<uint8_t>(bits >> 16);
+    }
+  }
+};
+
+struct E4m3Decoder {
+  __m512i high0, high1, low0, low1, sign;
+  E4m3Decoder() {
+    static const E4m3Tables t;
+    high0 = _mm512_load_si512(t.high);
+    high1 = _mm512_load_si512(t.high + 64);
+    low0 = _mm512_load_si512(t.low);
+    low1 = _mm512_load_si512(t.low + 64);
+    sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  }
+  // 64 bytes (32 columns' (k, k + 1) pairs, in the packed slot order) -> the pairs of columns 0-15 and 16-31
+  INFER_INLINE void pairs(const uint8_t* p, __m512i& first, __m512i& second) const {
+    const __m512i b = _mm512_loadu_si512(p);
+    const __m512i h = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(high0, b, high1), b, sign, 0xF8);  // h | b & 0x80
+    const __m512i l = _mm512_permutex2var_epi8(low0, b, low1);
+    first = _mm512_unpacklo_epi8(l, h);
+    second = _mm512_unpackhi_epi8(l, h);
+  }
+};
+
+// y[0:ROWS, the block's V x 16 columns from n0] for rows of e4m3 codes as bfloat16 pairs (ldh apart), decoding
+// the block's bytes in registers: a decode step's few rows. Two sums a row and vector (even and odd pairs), so
+// that vdpbf16ps's latency does not leave a single row waiting.
+template <int ROWS, int V>
+inline void tile_fp8(const uint16_t* xh, int64_t ldh, int64_t pairs, const uint8_t* block, const E4m3Decoder& d,
+                     const float* scale, const float* xscale, const float* bias, uint16_t* y, int64_t ldy, int64_t n0,
+                     int64_t n) {
+  constexpr int64_t row_bytes = V * 32;  // one pair of k for the block's V x 16 columns
+  __m512 acc[2][ROWS][V];
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < ROWS; ++r)
+      for (int j = 0; j < V; ++j) acc[h][r][j] = _mm512_setzero_ps();
+  auto pair_step = [&](int h, int64_t p) __attribute__((always_inline)) {
+    const uint8_t* w = block + p * row_bytes;
+    prefetch(reinterpret_cast<const int8_t*>(w));
+    if (row_bytes > 64) prefetch(reinterpret_cast<const int8_t*>(w + 64));
+    __m512i wv[V];
+    for (int c = 0; c < V / 2; ++c) d.pairs(w + 64 * c, wv[2 * c], wv[2 * c + 1]);
+    for (int r = 0; r < ROWS; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, xh + r * ldh + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < V; ++j) acc[h][r][j] = _mm512_dpbf16_ps(acc[h][r][j], (__m512bh)wv[j], xv);
+    }
+  };
+  int64_t p = 0;
+  for (; p + 2 <= pairs; p += 2) {
+    pair_step(0, p);
+    pair_step(1, p + 1);
+  }
+  if (p < pairs) pair_step(0, p);
+  for (int j = 0; j < V; ++j) {
+    const int64_t col = n0 + 16 * j;
+    const vf s = vload(scale + 16 * j);
+    for (int r = 0; r < ROWS; ++r)
+      if (col < n) store_row(_mm512_add_ps(acc[0][r][j], acc[1][r][j]), row_scale(s, xscale, r), bias, y + r * ldy, col, n);
+  }
+}
+
+// the block's bytes decoded to bfloat16 pairs, [K/2][width] 32-bit words in column order, for tile_pairs
+template <int V>
+inline void widen_block_fp8(const uint8_t* block, int64_t pairs, const E4m3Decoder& d, int32_t* wp) {
+  constexpr int64_t row_bytes = V * 32;
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int c = 0; c < V / 2; ++c) {
+      __m512i first, second;
+      d.pairs(block + p * row_bytes + 64 * c, first, second);
+      _mm512_storeu_si512(wp + p * V * 16 + 32 * c, first);
+      _mm512_storeu_si512(wp + p * V * 16 + 32 * c + 16, second);
+    }
+}
+
+// Rows r .. r1 of one FP8 block in the pairs layout: decoded in registers for a few rows, else decoded once into
+// pairs (in cache) that tile_pairs' tiles read, as W8A16's prompt chunks do
+template <int V>
+inline void rows_of_block_fp8(const uint16_t* xh, int64_t ldh, int64_t pairs, const uint8_t* block, const float* scale,
+                              const float* xscale, const float* bias, uint16_t* y, int64_t n0, int64_t n, int64_t r,
+                              int64_t r1) {
+  const E4m3Decoder d;
+  if (r1 - r < 8) {
+    for (; r + 2 <= r1; r += 2)
+      tile_fp8<2, V>(xh + r * ldh, ldh, pairs, block, d, scale, xscale + r, bias, y + r * n, n, n0, n);
+    if (r < r1) tile_fp8<1, V>(xh + r * ldh, ldh, pairs, block, d, scale, xscale + r, bias, y + r * n, n, n0, n);
+    return;
+  }
+  thread_local std::vector<int32_t> wp;
+  wp.resize(pairs * V * 16);
+  widen_block_fp8<V>(block, pairs, d, wp.data());
+  constexpr int rows = 24 / V;
+  int64_t i = r;
+  for (; i + rows <= r1; i += rows)
+    tile_pairs<rows, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xscale + i, bias, y + i * n, n, n0, n);
+  for (; i + 2 <= r1; i += 2) tile_pairs<2, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xscale + i, bias, y + i * n, n, n0, n);
+  for (; i < r1; ++i) tile_pairs<1, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xscale + i, bias, y + i * n, n, n0, n);
+}
+#else
+constexpr bool kFp8Table = false;
+#endif
+
 // xh: the rows as bfloat16 pairs (ldh apart) where a prompt chunk runs on vdpbf16ps (kPairs), else nullptr
 template <bool FP8, int V>  // vectors a block row: width / kLanes
 inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, int64_t k, const int8_t* block,
@@ -601,8 +734,9 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
   const bool pairs = kPairs && m >= 8 && k % 2 == 0;
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t ldx = x.stride(0);
-  std::vector<float> xf(pairs ? 0 : m * k), xscale(FP8 ? m : 0);
-  std::vector<uint16_t> xcodes(pairs && FP8 ? m * k : 0);
+  float* xf = infer::call_buffer<float>(pairs ? 0 : m * k);
+  float* xscale = infer::call_buffer<float, 1>(FP8 ? m : 0);
+  uint16_t* xcodes = infer::call_buffer<uint16_t>(pairs && FP8 ? m * k : 0);
   for_rows(m, k, [&](int64_t r) {
     if constexpr (FP8) {
       if (pairs) {
@@ -611,7 +745,7 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
         row.resize(k);
         xscale[r] = quantize_row<true>(xb + r * ldx, k, row.data());
         int64_t i = 0;
-        for (; i + 16 <= k; i += 16) store_bf16_exact(xcodes.data() + r * k + i, vload(row.data() + i));
+        for (; i + 16 <= k; i += 16) store_bf16_exact(xcodes + r * k + i, vload(row.data() + i));
         for (; i < k; ++i) {
           uint32_t bits;
           std::memcpy(&bits, row.data() + i, 4);
@@ -619,17 +753,17 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
         }
 #endif
       } else {
-        xscale[r] = quantize_row<true>(xb + r * ldx, k, xf.data() + r * k);
+        xscale[r] = quantize_row<true>(xb + r * ldx, k, xf + r * k);
       }
     } else if (!pairs) {
-      widen_row(xb + r * ldx, k, xf.data() + r * k);
+      widen_row(xb + r * ldx, k, xf + r * k);
     }
   });
-  const uint16_t* xh = !pairs ? nullptr : FP8 ? xcodes.data() : xb;
+  const uint16_t* xh = !pairs ? nullptr : FP8 ? xcodes : xb;
   const int64_t ldh = FP8 ? k : ldx;
   auto y = torch::empty({m, n}, x.options());
-  const float* xp = xf.data();
-  const float* xs = FP8 ? xscale.data() : nullptr;
+  const float* xp = xf;
+  const float* xs = FP8 ? xscale : nullptr;
   const auto* wp = reinterpret_cast<const int8_t*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
@@ -642,6 +776,44 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
   }, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
   return y;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+// FP8 over the pairs layout ([blocks, K/2, W, 2], K padded to even): each row's e4m3 codes as bfloat16, padded with
+// a zero code, then rows_of_block_fp8
+torch::Tensor fp8_pairs_linear(const Int8Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
+  const int64_t m = in.m, k = in.k, width = in.width, pairs = packed.size(1), kp = 2 * pairs;
+  const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const int64_t ldx = x.stride(0);
+  float* xscale = infer::call_buffer<float>(m);
+  uint16_t* xcodes = infer::call_buffer<uint16_t>(m * kp);
+  for_rows(m, k, [&](int64_t r) {
+    thread_local std::vector<float> row;
+    row.resize(k);
+    xscale[r] = quantize_row<true>(xb + r * ldx, k, row.data());
+    uint16_t* out = xcodes + r * kp;
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) store_bf16_exact(out + i, vload(row.data() + i));
+    for (; i < k; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, row.data() + i, 4);
+      out[i] = static_cast<uint16_t>(bits >> 16);
+    }
+    if (kp > k) out[k] = 0;
+  });
+  auto y = torch::empty({m, n}, x.options());
+  const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
+    const uint8_t* w = wp + blk * kp * width;
+    const float* s = in.scale + blk * width;
+    if (width == 64)
+      rows_of_block_fp8<4>(xcodes, kp, pairs, w, s, xscale, in.bias, yp, blk * width, n, r, r1);
+    else
+      rows_of_block_fp8<2>(xcodes, kp, pairs, w, s, xscale, in.bias, yp, blk * width, n, r, r1);
+  }, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
+  return y;
+}
+#endif
 
 }  // namespace
 
@@ -657,7 +829,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // Returns [M, N] bfloat16.
 torch::Tensor fp8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t n,
                          c10::optional<torch::Tensor> bias) {
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+  return fp8_pairs_linear(check_int8_inputs("fp8_linear", x, packed, scales, n, bias, 4, at::kByte, 2), x, packed, n);
+#else
   return linear8<true>(check_int8_inputs("fp8_linear", x, packed, scales, n, bias, 3, at::kByte), x, packed, n);
+#endif
 }
 
 // x: [M, K] bfloat16 with contiguous rows, quantized here per token; packed: [ceil(N/W), K/4, W, 4] int8,
@@ -671,11 +847,11 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t m = in.m, k = in.k, quads = k / 4;
   // each row's codes, laid out as the tiles broadcast them
   const int64_t xwords = kVnni ? quads : 2 * quads;
-  std::vector<int32_t> xw(m * xwords);
-  std::vector<float> xscale(m);
+  int32_t* xw = infer::call_buffer<int32_t>(m * xwords);
+  float* xscale = infer::call_buffer<float>(m);
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for_rows(m, k, [&](int64_t r) {
-    int32_t* out = xw.data() + r * xwords;
+    int32_t* out = xw + r * xwords;
     if (kVnni) {  // the codes + 128 as bytes, 4 consecutive k a word: the codes' bytes with the top bit flipped
       auto* bytes = reinterpret_cast<int8_t*>(out);
       xscale[r] = quantize_row<false>(xb + r * x.stride(0), k, bytes);
@@ -692,7 +868,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     }
   });
   auto y = torch::empty({m, n}, x.options());
-  const W8A8Args a{xw.data(), xwords, xscale.data(), packed.data_ptr<int8_t>(), in.scale, colsums.data_ptr<int32_t>(),
+  const W8A8Args a{xw, xwords, xscale, packed.data_ptr<int8_t>(), in.scale, colsums.data_ptr<int32_t>(),
                    in.bias, reinterpret_cast<uint16_t*>(y.data_ptr()), n, quads, in.width};
   infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
     if (a.width == 64)
@@ -705,6 +881,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 bool available() { return true; }
 bool has_vnni() { return kVnni; }
+bool fp8_pairs() { return kFp8Table; }
 
 #else
 
@@ -720,6 +897,7 @@ torch::Tensor w8a8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 }
 bool available() { return false; }
 bool has_vnni() { return false; }
+bool fp8_pairs() { return false; }
 
 #endif
 
@@ -735,5 +913,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has the int8 kernels (its target has AVX2 + FMA at least)");
   m.def("has_vnni", &has_vnni, "whether W8A8 runs on AVX-512 VNNI (vpdpbusd) in this build");
+  m.def("fp8_pairs", &fp8_pairs,
+        "whether FP8 weights are decoded by table to bfloat16 pairs (AVX-512 BF16 + VBMI): packed [blocks, K/2, W, 2]");
 }
 #endif

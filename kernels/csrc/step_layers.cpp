@@ -22,6 +22,7 @@
 #include <immintrin.h>
 #endif
 
+#include "call_buffer.h"
 #include "chunk_checks.h"
 #include "float_storage.h"
 #include "simd_math.h"

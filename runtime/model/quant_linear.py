@@ -21,8 +21,9 @@ CPU backends here, fastest first:
   quantized inside the call exactly as ``quantize_activations`` does, exact int32 sums (vpmaddwd, or
   vpdpbusd with AVX-512 VNNI), then the same float32 scaling as ``cpu-w8a8``;
 - ``cpu-w8a8``: dynamic per-token int8 activations and ``torch._int_mm`` (int32 accumulation);
-- ``cpu-fp8-blocks`` (bfloat16 models): the same source's FP8 kernel: e4m3 per-channel weights decoded to
-  float32 in registers, dynamic per-token e4m3 activations quantized inside the call, float32 sums;
+- ``cpu-fp8-blocks`` (bfloat16 models): the same source's FP8 kernel: e4m3 per-channel weights decoded in
+  registers (to bfloat16 by table where the class has AVX-512 BF16 and VBMI, else to float32), dynamic
+  per-token e4m3 activations quantized inside the call, float32 sums of exact products;
 - ``cpu-fp8``: per-token fp8 activations; fp8 codes multiplied widened to the compute dtype (exact
   widening; float32 sums in a float32 model), since this torch's CPU ``_scaled_mm`` is a slow
   reference path;
@@ -263,8 +264,8 @@ class W8A8BlocksLinear(Int8BlocksLinear):
 
 class FP8BlocksLinear(Int8BlocksLinear):
     """fp8 e4m3 per-channel weights with dynamic per-token e4m3 activations (FP8_DYNAMIC), packed once for
-    kernels/csrc/int8_linear.cpp's ``fp8_linear`` (any class from AVX2): each weight byte decoded to float32 in
-    registers, each row quantized inside the call as compressed-tensors does, float32 sums of exact products,
+    kernels/csrc/int8_linear.cpp's ``fp8_linear`` (any class from AVX2): each weight byte decoded in registers,
+    each row quantized inside the call as compressed-tensors does, float32 sums of exact products,
     then both scales. A decode step reads 8 bits a weight, where ``cpu-fp8`` reads the codes widened to 16."""
     backend = "cpu-fp8-blocks"
 
