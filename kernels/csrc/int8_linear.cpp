@@ -48,6 +48,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -201,6 +202,10 @@ inline vf vround_even(vf v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEARE
 inline void store_i8(int8_t* p, vf v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));
 }
+// float32 values that are bfloat16 values (e4m3 codes), as bfloat16 bits
+inline void store_bf16_exact(uint16_t* p, vf v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
 // the codes + 128 as unsigned bytes (what vpdpbusd multiplies): vpmovdb keeps the low byte of q + 128, exactly
 inline void store_u8_offset(int8_t* p, vf v) {
   const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(128));
@@ -273,9 +278,11 @@ inline void widen_row(const uint16_t* x, int64_t k, float* out) {
 // compressed-tensors' dynamic per-token quantization of one row, in float32 as torch computes it: scale = absmax /
 // 127.5 (int8) or / 448 (e4m3), float32 epsilon for an all-zero row; x / scale clamped to [-128, 127] and rounded
 // half to even (int8 codes), or clamped to +-448 and rounded to e4m3 (FP8: the codes' values as float32).
-// Returns the row's scale. OFFSET (int8 only): store the codes + 128 as unsigned bytes, VNNI's operand.
+// Returns the row's scale. OFFSET (int8 only): store the codes + 128 as unsigned bytes, VNNI's operand. FP8 codes
+// go out as float32 or, for Code uint16_t (AVX-512 builds), as bfloat16 bits (exact), what vdpbf16ps multiplies.
 template <bool FP8, typename Code, bool OFFSET = false>
 inline float quantize_row(const uint16_t* x, int64_t k, Code* codes) {
+  constexpr bool kBits = std::is_same_v<Code, uint16_t>;
   constexpr float range = FP8 ? 448.f : 127.5f, lo = FP8 ? -448.f : -128.f, hi = FP8 ? 448.f : 127.f;
   float scale = row_absmax(x, k) / range;
   if (scale == 0.f) scale = FLT_EPSILON;
@@ -283,13 +290,19 @@ inline float quantize_row(const uint16_t* x, int64_t k, Code* codes) {
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
     const vf v = vmin(vmax(vdiv(load_bf16(x + i), s), vlo), vhi);
-    if constexpr (FP8) vstore(codes + i, vround_e4m3(v));
+    if constexpr (FP8 && kBits) store_bf16_exact(codes + i, vround_e4m3(v));
+    else if constexpr (FP8) vstore(codes + i, vround_e4m3(v));
     else if constexpr (OFFSET) store_u8_offset(codes + i, vround_even(v));
     else store_i8(codes + i, vround_even(v));
   }
   for (; i < k; ++i) {
     const float v = std::min(std::max(bf16_value(x[i]) / scale, lo), hi);
-    if constexpr (FP8) {
+    if constexpr (FP8 && kBits) {
+      const float c = round_e4m3(v);
+      uint32_t bits;
+      std::memcpy(&bits, &c, 4);
+      codes[i] = static_cast<uint16_t>(bits >> 16);
+    } else if constexpr (FP8) {
       codes[i] = round_e4m3(v);
     } else {
       const int q = static_cast<int>(std::nearbyint(v));  // the default rounding mode: to nearest, ties to even
@@ -474,10 +487,6 @@ inline void tile_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int
   }
 }
 
-// float32 values that are bfloat16 values (e4m3 codes), as bfloat16 bits
-inline void store_bf16_exact(uint16_t* p, vf v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
 #else
 constexpr bool kPairs = false;
 #endif
@@ -756,16 +765,7 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
     if constexpr (FP8) {
       if (pairs) {
 #if defined(__AVX512BF16__)
-        thread_local std::vector<float> row;
-        row.resize(k);
-        xscale[r] = quantize_row<true>(xb + r * ldx, k, row.data());
-        int64_t i = 0;
-        for (; i + 16 <= k; i += 16) store_bf16_exact(xcodes + r * k + i, vload(row.data() + i));
-        for (; i < k; ++i) {
-          uint32_t bits;
-          std::memcpy(&bits, row.data() + i, 4);
-          xcodes[r * k + i] = static_cast<uint16_t>(bits >> 16);
-        }
+        xscale[r] = quantize_row<true>(xb + r * ldx, k, xcodes + r * k);
 #endif
       } else {
         xscale[r] = quantize_row<true>(xb + r * ldx, k, xf + r * k);
@@ -802,18 +802,8 @@ torch::Tensor fp8_pairs_linear(const Int8Inputs& in, const torch::Tensor& x, con
   float* xscale = infer::call_buffer<float>(m);
   uint16_t* xcodes = infer::call_buffer<uint16_t>(m * kp);
   for_rows(m, k, [&](int64_t r) {
-    thread_local std::vector<float> row;
-    row.resize(k);
-    xscale[r] = quantize_row<true>(xb + r * ldx, k, row.data());
-    uint16_t* out = xcodes + r * kp;
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) store_bf16_exact(out + i, vload(row.data() + i));
-    for (; i < k; ++i) {
-      uint32_t bits;
-      std::memcpy(&bits, row.data() + i, 4);
-      out[i] = static_cast<uint16_t>(bits >> 16);
-    }
-    if (kp > k) out[k] = 0;
+    xscale[r] = quantize_row<true>(xb + r * ldx, k, xcodes + r * kp);
+    if (kp > k) xcodes[r * kp + k] = 0;
   });
   auto y = torch::empty({m, n}, x.options());
   const auto* wp = reinterpret_cast<const uint8_t*>(packed.data_ptr());
