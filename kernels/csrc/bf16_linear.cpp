@@ -368,8 +368,8 @@ void run_blocks(const Bf16Inputs& in, const torch::Tensor& x, const torch::Tenso
   const int64_t m = in.m, k = in.k, pairs = in.pairs, blocks = in.blocks, width = in.width;
   const float* b = in.bias;
   // x widened once (exact), so that the tiles broadcast float32 straight from memory (a plain loop: a torch
-  // op's dispatch would cost a decode step's small linears a good share of their time)
-  // (a prompt chunk's rows over the threads)
+  // op's dispatch would cost a decode step's small linears a good share of their time), a prompt chunk's rows over
+  // the threads
   float* xf = infer::call_buffer<float>(m * k);
   const auto* xb = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto widen = [&](int64_t first, int64_t last) {

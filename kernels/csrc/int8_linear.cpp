@@ -487,6 +487,20 @@ inline void tile_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int
   }
 }
 
+// rows r .. r1 of a block already widened to bfloat16 pairs (wp), in tiles of 24 sums, then pairs and single rows;
+// xscale: the rows' scales (FP8) or nullptr (W8A16)
+template <int V>
+inline void rows_of_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int32_t* wp, const float* scale,
+                          const float* xscale, const float* bias, uint16_t* y, int64_t n0, int64_t n, int64_t r,
+                          int64_t r1) {
+  auto xs = [&](int64_t row) { return xscale ? xscale + row : nullptr; };
+  constexpr int rows = 24 / V;
+  int64_t i = r;
+  for (; i + rows <= r1; i += rows)
+    tile_pairs<rows, V>(xh + i * ldh, ldh, pairs, wp, scale, xs(i), bias, y + i * n, n, n0, n);
+  for (; i + 2 <= r1; i += 2) tile_pairs<2, V>(xh + i * ldh, ldh, pairs, wp, scale, xs(i), bias, y + i * n, n, n0, n);
+  for (; i < r1; ++i) tile_pairs<1, V>(xh + i * ldh, ldh, pairs, wp, scale, xs(i), bias, y + i * n, n, n0, n);
+}
 #else
 constexpr bool kPairs = false;
 #endif
@@ -606,12 +620,7 @@ inline void rows_of_block_fp8(const uint16_t* xh, int64_t ldh, int64_t pairs, co
   thread_local std::vector<int32_t> wp;
   wp.resize(pairs * V * 16);
   widen_block_fp8<V>(block, pairs, d, wp.data());
-  constexpr int rows = 24 / V;
-  int64_t i = r;
-  for (; i + rows <= r1; i += rows)
-    tile_pairs<rows, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xscale + i, bias, y + i * n, n, n0, n);
-  for (; i + 2 <= r1; i += 2) tile_pairs<2, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xscale + i, bias, y + i * n, n, n0, n);
-  for (; i < r1; ++i) tile_pairs<1, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xscale + i, bias, y + i * n, n, n0, n);
+  rows_of_pairs<V>(xh, ldh, pairs, wp.data(), scale, xscale, bias, y, n0, n, r, r1);
 }
 #else
 constexpr bool kFp8Table = false;
@@ -629,13 +638,7 @@ inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, in
     thread_local std::vector<int32_t> wp;
     wp.resize(k / 2 * width);
     widen_block_pairs<FP8>(block, k, width, wp.data());
-    constexpr int rows = 24 / V;  // 24 sums
-    const int64_t pairs = k / 2;
-    int64_t i = r;
-    for (; i + rows <= r1; i += rows)
-      tile_pairs<rows, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xs(i), bias, y + i * n, n, n0, n);
-    for (; i + 2 <= r1; i += 2) tile_pairs<2, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xs(i), bias, y + i * n, n, n0, n);
-    for (; i < r1; ++i) tile_pairs<1, V>(xh + i * ldh, ldh, pairs, wp.data(), scale, xs(i), bias, y + i * n, n, n0, n);
+    rows_of_pairs<V>(xh, ldh, k / 2, wp.data(), scale, xscale, bias, y, n0, n, r, r1);
     return;
   }
 #endif
