@@ -1,6 +1,6 @@
 // Scratch memory a kernel call needs (a prompt chunk's activation codes, its rows widened to float32), kept by
 // the calling thread from one call to the next: allocated afresh, a few hundred KiB came from the OS each call
-// and cost page faults (~60 us a 256 x 576 FP8 call on Zen 5, the whole gap to W8A16's prefill).
+// and cost page faults (~35 us of a 256 x 576 FP8 call's ~60 us gap to W8A16 on Zen 5).
 #pragma once
 
 #include <cstddef>
