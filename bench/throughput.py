@@ -31,7 +31,8 @@ def host_info() -> dict:
     """Which host a figure comes from, in one shape for every benchmark: what a tuning table is valid for
     (runtime/tuning.py's hardware(): CPU model, instruction-set digest, AMX, AVX-512 BF16, the class the
     kernels ran as, cores, torch), and beside it the host's name, the instruction-set flags that decide
-    the kernels, the CPU's own class (INFER_ISA may force a lower one), torch threads, memory and load."""
+    the kernels, the CPU's own class (INFER_ISA may force a lower one), the linears' prefetch distance
+    (kernels/isa.py), torch threads, memory and load."""
     from infer.kernels import isa
     from infer.kernels.extension import cpu_flags
     from infer.runtime.tuning import hardware
@@ -41,7 +42,8 @@ def host_info() -> dict:
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
     gb = {key: round(int(meminfo[key].split()[0]) / 2**20, 1) for key in ("MemTotal", "MemAvailable")}
     return {**hardware(), "host": platform.node(), "flags": [f for f in shown if f in flags],
-            "native_class": isa.native_class(), "torch_threads": torch.get_num_threads(),
+            "native_class": isa.native_class(), "prefetch_bytes": isa.prefetch_bytes(),
+            "torch_threads": torch.get_num_threads(),
             "mem_total_gb": gb["MemTotal"], "mem_available_gb": gb["MemAvailable"],
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 

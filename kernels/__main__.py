@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
     own = isa.active()
     print(f"CPU class: {own} (this CPU's own: {isa.native_class()}; INFER_ISA forces a lower one)")
+    print(f"bfloat16 and W8A8 linears prefetch {isa.prefetch_bytes()} bytes ahead "
+          f"({isa.cpu_vendor() or 'vendor unknown'}; INFER_PREFETCH_BYTES sets it)")
     classes = [own]
     if "--all-classes" in argv and own is not None:
         classes = list(isa.CLASSES[:isa.CLASSES.index(own) + 1])

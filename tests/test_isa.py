@@ -32,8 +32,11 @@ def _linear_module(monkeypatch, cls: str):
 
 @pytest.mark.parametrize("cls", _classes())
 def test_each_class_builds_a_column_block_linear_that_matches_float64(monkeypatch, cls, fresh_seed):
-    module = _linear_module(monkeypatch, cls)
-    gen = torch.Generator().manual_seed(fresh_seed)
+    _check_linear(_linear_module(monkeypatch, cls), fresh_seed, cls)
+
+
+def _check_linear(module, seed: int, cls: str) -> None:
+    gen = torch.Generator().manual_seed(seed)
     # narrow (32-column blocks) and wide (64) weights, each with a part-full last block; rows that take
     # the decode tiles (1-3), every prompt tile size and their remainders
     for n, k in ((96, 192), (130, 96), (1100, 576), (200, 1536)):
@@ -92,6 +95,28 @@ def test_the_avx2_build_holds_no_avx512_instruction(monkeypatch, name, source):
                              text=True, check=True).stdout
     assert "vfmadd" in listing and "ymm" in listing  # the widening kernel is there, on 256-bit vectors
     assert "zmm" not in listing and "vdpbf16ps" not in listing
+
+
+@pytest.mark.parametrize("ahead", [0, 2048])
+def test_the_prefetch_distance_is_compiled_in_and_each_setting_matches_float64(monkeypatch, ahead, fresh_seed):
+    """INFER_PREFETCH_BYTES (kernels/isa.py, kernels/csrc/prefetch.h): 0 leaves no prefetch instruction in the
+    linears, a distance leaves them there; both compute the same sums."""
+    if isa.native_class() is None:
+        pytest.skip("this CPU has no AVX2: no linear kernel builds here")
+    monkeypatch.setenv("INFER_PREFETCH_BYTES", str(ahead))
+    assert f"-DINFER_PREFETCH_BYTES={ahead}" in isa.compile_flags()
+    module = _linear_module(monkeypatch, isa.native_class())
+    listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", module.__file__], capture_output=True,
+                             text=True, check=True).stdout
+    assert ("prefetcht0" in listing) == (ahead > 0)
+    _check_linear(module, fresh_seed, f"prefetch {ahead}")
+
+
+def test_a_prefetch_distance_that_is_not_whole_cache_lines_is_refused(monkeypatch):
+    for bad in ("100", "-64", "2k"):
+        monkeypatch.setenv("INFER_PREFETCH_BYTES", bad)
+        with pytest.raises(ValueError, match="whole number of 64-byte cache lines"):
+            isa.prefetch_bytes()
 
 
 def test_a_forced_class_sets_the_target_and_a_class_above_the_cpu_is_refused(monkeypatch):

@@ -28,6 +28,7 @@
 
 #include "call_buffer.h"
 #include "float_storage.h"
+#include "prefetch.h"
 #include "simd_math.h"
 #include "work_split.h"
 
@@ -36,11 +37,6 @@
 #include <vector>
 
 namespace {
-
-// How far ahead of its loads a tile prefetches its block (both paths below): the hardware prefetcher alone
-// kept a batch-1 sweep of the embedded model's 121 linears at 0.70 of a `sum`'s read bandwidth on a 2-core Xeon with AMX; 512 B ahead
-// gave 0.83, 1 KiB 0.86, 2 KiB 0.91, 4 KiB 0.86 (2 threads, rounds alternated).
-constexpr int64_t kPrefetchBytes = 2048;
 
 // What both instruction-set paths below check before reading anything: the shapes and dtypes
 // kernels/bf16_linear.py packs; the bias's data, or nullptr.
@@ -96,7 +92,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
     // the first of two half tiles prefetches whole pair rows: the second then reads its half from cache (left to
     // the hardware, reading half of every 256-byte row ran a 7-9 row LM head 1.3x slower than three tiles)
     for (int j = 0; j < (J0 == 0 ? VECS : LANES); ++j)
-      _mm_prefetch(reinterpret_cast<const char*>(w + 32 * j) + kPrefetchBytes, _MM_HINT_T0);
+      infer::prefetch_ahead<infer::kPlainPrefetchBytes>(w + 32 * j);
     __m512bh wv[LANES];
     for (int j = 0; j < LANES; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + 32 * j);
     for (int r = 0; r < ROWS; ++r) {
@@ -235,7 +231,7 @@ inline void tile(const float* xf, int64_t k, int64_t pairs, const uint16_t* bloc
   const int64_t ahead = c0 == 0 ? 4 * width : V * kLanes * 4;  // bytes of the pair row this tile prefetches
   for (int64_t p = 0; p < pairs; ++p, w += step) {
     for (int64_t b = 0; b < ahead; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes + b, _MM_HINT_T0);
+      infer::prefetch_ahead<infer::kPlainPrefetchBytes>(reinterpret_cast<const char*>(w) + b);
     for (int j = 0; j < V; ++j) {
       vf even, odd;
       widen_pairs(w + 2 * kLanes * j, even, odd);

@@ -25,6 +25,7 @@
 
 #include "call_buffer.h"
 #include "float_storage.h"
+#include "prefetch.h"
 #include "simd_math.h"
 #include "work_split.h"
 
@@ -40,11 +41,6 @@ constexpr int64_t BLOCK_N = 32;  // output columns per weight block
 // Rows a work item of a prompt chunk, where each item widens its block once first (int8_linear.cpp's choice: the
 // other kernels' 48 widened each block of a 256-token prompt 6 times)
 constexpr int64_t kWidenedRowChunk = 128;
-
-// How far ahead of its loads a tile prefetches its block (both paths below, as bf16_linear.cpp does): a
-// batch-1 sweep of the embedded model's 120 decoder shapes in int4 went from 0.63 of a `sum`'s read bandwidth to 0.68
-// (512 B ahead), 0.72 (1 KiB), 0.77 (2 KiB) on a 2-core Xeon with AMX (rounds alternated).
-constexpr int64_t kPrefetchBytes = 2048;
 
 // What both instruction-set paths below check before reading anything: the shapes and dtypes
 // kernels/int4_linear.py packs (blocks of 32 columns); the offsets' and bias's data, or nullptr.
@@ -122,8 +118,8 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
     __m512 acc[ROWS][2], odd[ROWS][2];
     for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
     for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N + 16);
       const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
       for (int j = 0; j < 4; ++j) {
         // (v >> 4j) & 0x000F000F | 0x43004300: truth table 0xEA is (A & B) | C
@@ -179,8 +175,8 @@ inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N;
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
   for (int64_t kw = 0; kw < words; ++kw) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N + 16);
     const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
@@ -434,8 +430,8 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
     for (int r = 0; r < ROWS; ++r)
       for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = vzero();
     for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N + 16) + kPrefetchBytes, _MM_HINT_T0);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N + 16);
       vi lo[V], hi[V];  // the even k's nibbles at bits 4j, and (shifted down once) the odd k's
       for (int v = 0; v < V; ++v) {
         lo[v] = vload_words(wb + kw * BLOCK_N + v * kLanes);
@@ -497,7 +493,7 @@ inline void widen_slice(const Args& a, int64_t blk, int64_t c0, float* wf) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N + c0;
   const vi nibble = vwords(0xFu);
   for (int64_t kw = 0; kw < words; ++kw) {
-    _mm_prefetch(reinterpret_cast<const char*>(wb + kw * BLOCK_N) + kPrefetchBytes, _MM_HINT_T0);
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
     const int64_t g = kw / a.group_words, i = 4 * (kw % a.group_words);
     float* even = wf + (2 * g * half + i) * kSlice;
     float* odd = even + half * kSlice;

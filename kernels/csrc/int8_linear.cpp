@@ -40,6 +40,7 @@
 
 #include "call_buffer.h"
 #include "float_storage.h"
+#include "prefetch.h"
 #include "simd_math.h"
 #include "work_split.h"
 
@@ -52,9 +53,6 @@
 #include <vector>
 
 namespace {
-
-// How far ahead of its loads a tile prefetches its block (bf16_linear.cpp measured 2 KiB best).
-constexpr int64_t kPrefetchBytes = 2048;
 
 struct Int8Inputs {
   int64_t m, k, blocks, width;
@@ -361,7 +359,10 @@ inline vf widen8(const int8_t* p) {
   else return widen_i8(p);
 }
 
-inline void prefetch(const int8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetchBytes, _MM_HINT_T0); }
+// W8A16's and FP8's tiles widen every weight they load (kernels/csrc/prefetch.h: a decoding kernel)
+inline void prefetch(const int8_t* p) { infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(p); }
+// W8A8's multiply its words as loaded (a plain kernel)
+inline void prefetch_words(const int8_t* p) { infer::prefetch_ahead<infer::kPlainPrefetchBytes>(p); }
 
 // ---------------------------------------------------------------------------- W8A16 and FP8
 
@@ -693,11 +694,11 @@ inline void tile8(const W8A8Args& a, int64_t blk, int64_t c0, int64_t r0) {
   const int8_t* w = a.w + (blk * a.quads * a.width + c0) * 4;
   const int64_t step = 4 * a.width;
   for (int64_t q = 0; q < a.quads; ++q, w += step) {
-    prefetch(w);
-    if (V * kLanes * 4 > 64) prefetch(w + 64);
+    prefetch_words(w);
+    if (V * kLanes * 4 > 64) prefetch_words(w + 64);
     if (V * kLanes * 4 > 128) {
-      prefetch(w + 128);
-      prefetch(w + 192);
+      prefetch_words(w + 128);
+      prefetch_words(w + 192);
     }
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
     for (int j = 0; j < V; ++j) {

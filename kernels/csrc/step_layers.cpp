@@ -25,6 +25,7 @@
 #include "call_buffer.h"
 #include "chunk_checks.h"
 #include "float_storage.h"
+#include "prefetch.h"
 #include "simd_math.h"
 #include "work_split.h"
 
