@@ -103,3 +103,20 @@ def test_row_max_is_torchs_max_over_the_last_dimension(rows):
     assert torch.equal(got_index, want_index)
     assert torch.equal(got_values.nan_to_num(), want_values.nan_to_num())
     assert torch.equal(got_values.isnan(), want_values.isnan())
+
+
+def test_all_greedy_rows_on_the_host_choose_as_the_general_path(fresh_seed):
+    # float32 on the CPU takes the numpy route (_greedy_on_host); float64 the torch ops every other batch takes
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x = torch.randn(6, 1000, generator=gen)
+    x[1, 7] = float("nan")
+    x[2, 3] = float("inf")
+    x[3] = float("-inf")
+    x[4, 10] = x[4, 20] = x[4].max() + 1  # a tie: the first occurrence
+    batch = seqs(6, temperature=0)
+    host, general = sample(x, batch), sample(x.double(), batch)
+    assert sorted(host.errors) == sorted(general.errors) == [1, 2, 3]
+    assert [e.by_request for e in host.errors.values()] == [e.by_request for e in general.errors.values()]
+    assert [t for i, t in enumerate(host.token_ids) if i not in host.errors] == \
+        [t for i, t in enumerate(general.token_ids) if i not in general.errors] == \
+        [x[0].argmax().item(), 10, x[5].argmax().item()]
