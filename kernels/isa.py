@@ -36,15 +36,23 @@ _TORCH_CAPABILITY = {"avx2": ("AVX2", "AVX2"), "avx512": ("AVX512", "AVX512_CORE
                      "avx512bf16": ("AVX512", "AVX512_CORE_BF16")}
 
 
-def cpu_flags() -> str:
-    """The CPU's instruction-set flags, sorted (what ``-march=native`` compiles for)."""
+def _cpuinfo(*keys: str) -> str | None:
+    """The value of /proc/cpuinfo's first line that starts with one of ``keys`` (None: no such line or file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return " ".join(sorted(set(line.split(":", 1)[1].split())))
+            if line.startswith(keys):
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_flags() -> str:
+    """The CPU's instruction-set flags, sorted (what ``-march=native`` compiles for)."""
+    flags = _cpuinfo("flags", "Features")
+    if flags is None:
+        return platform.processor() or platform.machine()
+    return " ".join(sorted(set(flags.split())))
 
 
 @lru_cache(maxsize=1)
@@ -104,13 +112,7 @@ def onednn_int8_is_exact() -> bool:
 
 def cpu_vendor() -> str:
     """The CPU's vendor as /proc/cpuinfo names it (``GenuineIntel``, ``AuthenticAMD``), or ''."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def prefetch_bytes() -> int:
