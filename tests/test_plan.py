@@ -87,12 +87,16 @@ class _Trace:
 
 
 def _drive(llm, **params):
-    """Fresh prompts in chunks beside decodes, then prompts after a cached prefix, then one alone."""
+    """Fresh prompts in chunks beside decodes, then prompts after a cached prefix, then one alone.
+
+    The first prompt fits one 96-token step with room to spare and the others do not, so the second step always
+    decodes the first beside a chunk of the second (a mixed step), whatever lengths the seed draws."""
     from pydoc_data.topics import topics
 
     text = "".join(topics.values())
     starts = [random.randrange(len(text) - 3000) for _ in range(3)]
-    prompts = [llm.tokenizer.encode(text[s:s + 3000])[:random.randint(40, 160)] for s in starts]
+    lengths = [random.randint(40, 80), random.randint(120, 160), random.randint(120, 160)]
+    prompts = [llm.tokenizer.encode(text[s:s + 3000])[:n] for s, n in zip(starts, lengths)]
     shared = prompts[0][:48]
     sampling = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **params)
     for batch in (prompts, [shared + p[:24] for p in prompts[1:]], prompts[:1]):
