@@ -102,29 +102,27 @@ def test_the_verify_cost_is_measured_from_step_times():
 
 
 def _prompts(tok, seed: int) -> list[str]:
-    """32 prompts: half grounded in a given text (copying, extracting: drafts hit), half open chat."""
+    """20 prompts: half grounded in a given text (copying, extracting: drafts hit), half open chat."""
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
     names = sorted(topics)
     out = []
-    for i in range(16):
+    for i in range(10):
         text = topics[rng.choice(names)][:rng.randint(200, 700)]
         ask = rng.choice(["Repeat this text exactly:", "Quote the first sentences of this text:",
                           "Copy the following, word for word:"])
         out.append(tok.apply_chat_template([{"role": "user", "content": f"{ask}\n\n{text}"}]))
     for q in ["What is a list?", "Tell me a story about a cat.", "Why is the sky blue?", "Name three fruits.",
               "How do I sort a list in Python?", "Write a haiku about rain.", "What is 12 times 7?",
-              "Explain gravity simply.", "Give me a recipe for pancakes.", "What is a prime number?",
-              "Describe the sea.", "What is the capital of Italy?", "How do birds fly?", "What is a loop?",
-              "Say hello in French.", "What is an operating system?"]:
+              "Explain gravity simply.", "Give me a recipe for pancakes.", "What is a prime number?"]:
         out.append(tok.apply_chat_template([{"role": "user", "content": q}]))
     return out
 
 
 @pytest.fixture(scope="module")
 def runs(embedded_artifact):
-    """The same 32 greedy requests with speculation off and on, in engines small enough that prompts
+    """The same 20 greedy requests with speculation off and on, in engines small enough that prompts
     are chunked, prefixes are shared and sequences are preempted (the prompts drawn with a fresh seed,
     printed). On: k = 4 every step (not the adaptive k), so every draft is as long as the lookup finds and
     the most rejected tokens' blocks are given back."""
@@ -143,8 +141,8 @@ def runs(embedded_artifact):
         rng = random.Random(fresh_seed)
         params = [SamplingParams(max_tokens=rng.randint(16, 40), temperature=0,
                                  stop=["\n\n\n"] if i % 5 == 0 else []) for i in range(len(prompts))]
-        # each prompt twice: the second copy finds the first's blocks in the prefix cache
-        outs = llm.generate(prompts + prompts[:8], params + params[:8])
+        # the first six prompts twice: the second copy finds the first's blocks in the prefix cache
+        outs = llm.generate(prompts + prompts[:6], params + params[:6])
         results[spec] = (outs, dict(llm.engine.stats), llm.engine.scheduler.num_preemptions,
                          llm.engine.block_manager.prefix_hits, llm)
     return results
@@ -153,7 +151,7 @@ def runs(embedded_artifact):
 def test_greedy_outputs_are_identical_with_speculation_on_and_off(runs):
     off, _, _, _, _ = runs["off"]
     on, stats, preemptions, hits, llm = runs["ngram"]
-    assert len(on) >= 32
+    assert len(on) == 26
     different = [i for i, (a, b) in enumerate(zip(off, on)) if a.token_ids != b.token_ids]
     assert not different, [(off[i].text, on[i].text) for i in different[:3]]
     assert [a.finish_reason for a in off] == [b.finish_reason for b in on]
