@@ -41,16 +41,18 @@ class FusedStep:
                 return [linear.packed, linear.scales, none if linear.colsums is None else linear.colsums]
             return [linear.packed_weight, none, none]
 
-        self.weights = []  # kernels/csrc/step_layers.cpp's WEIGHTS_PER_LAYER, layer by layer
+        weights = []  # kernels/csrc/step_layers.cpp's WEIGHTS_PER_LAYER, layer by layer
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             bias = attn.qkv_proj.bias
             # the bias as the qkv kernel adds it: bfloat16 on AMX tiles, float32 on the others
             bias = None if bias is None else bias if getattr(attn.qkv_proj, "kernel", None) == "amx" else bias.float()
-            self.weights += [layer.input_layernorm.weight, none if bias is None else bias.contiguous(),
-                             layer.post_attention_layernorm.weight]
+            weights += [layer.input_layernorm.weight, none if bias is None else bias.contiguous(),
+                        layer.post_attention_layernorm.weight]
             for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-                self.weights += slots(linear)
+                weights += slots(linear)
+        # handed to C++ once: a list would be converted tensor by tensor on every step
+        self.weights = self.module.StepWeights(weights)
 
     @staticmethod
     def fits(model) -> bool:
