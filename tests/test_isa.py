@@ -179,6 +179,30 @@ def test_the_kernel_tests_pass_under_each_lower_class(cls):
     assert " passed" in run.stdout, tail
 
 
+def _classes_below_native():
+    native = isa.native_class()
+    top = -1 if native is None else isa.CLASSES.index(native)
+    return [pytest.param(c, marks=pytest.mark.skipif(i >= top, reason=(
+        f"{c} is this CPU's own class: there is no second build to load beside it" if i == top else
+        f"this CPU's highest class is {native}: {c} code cannot execute here"))) for i, c in enumerate(isa.CLASSES)]
+
+
+@pytest.mark.parametrize("cls", _classes_below_native())
+def test_a_lower_class_step_loads_beside_the_native_one(monkeypatch, cls):
+    """Each class's build of step_layers.cpp registers its own StepWeights (pybind11 module_local): without it, a
+    second build loaded in the same process (a benchmark forcing a class beside the engine at the host's own)
+    failed to import with "type StepWeights is already registered" and its build was marked failed on disk."""
+    from infer.kernels import step_layers
+
+    native = step_layers.load()
+    assert native is not None, "the host's own step_layers build failed"
+    monkeypatch.setenv("INFER_ISA", cls)
+    lower = step_layers.load.__wrapped__()
+    assert lower is not None and lower is not native, f"the {cls} build of step_layers.cpp did not load beside the native one"
+    norms = [torch.ones(4, dtype=torch.bfloat16)] * 3
+    assert len(native.StepWeights(norms)) == len(lower.StepWeights(norms)) == 3
+
+
 def test_the_ahead_of_time_build_covers_each_class_and_refuses_unknown_words():
     """python -m infer.kernels build --all-classes (make install): what each class builds, and its usage."""
     from infer.kernels.__main__ import _kernels, main

@@ -259,7 +259,9 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, const StepWei
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<StepWeights>(m, "StepWeights", "a model's weights for step_layers, WEIGHTS_PER_LAYER tensors a layer")
+  // module_local: each class's build of this file (kernels/isa.py) registers its own, so two load in one process
+  py::class_<StepWeights>(m, "StepWeights", py::module_local(),
+                          "a model's weights for step_layers, WEIGHTS_PER_LAYER tensors a layer")
       .def(py::init<std::vector<torch::Tensor>>())
       .def("__len__", [](const StepWeights& w) { return w.tensors.size(); });
   // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
