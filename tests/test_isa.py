@@ -160,11 +160,12 @@ KERNEL_TESTS = ("test_kernels.py", "test_packed_linear.py", "test_int8_linear.py
                 "test_layer_ops.py", "test_fused_step.py", "test_plan.py")
 
 
-def _lower_classes():
+def _lower_classes(at_own: str = "the suite itself ran these tests"):
+    """Every class below this CPU's own; its own class skipped for ``at_own``, those above as not executable."""
     native = isa.native_class()
     top = -1 if native is None else isa.CLASSES.index(native)
     return [pytest.param(c, marks=pytest.mark.skipif(i >= top, reason=(
-        f"{c} is this CPU's own class: the suite itself ran these tests" if i == top else
+        f"{c} is this CPU's own class: {at_own}" if i == top else
         f"this CPU's highest class is {native}: {c} code cannot execute here"))) for i, c in enumerate(isa.CLASSES)]
 
 
@@ -179,15 +180,7 @@ def test_the_kernel_tests_pass_under_each_lower_class(cls):
     assert " passed" in run.stdout, tail
 
 
-def _classes_below_native():
-    native = isa.native_class()
-    top = -1 if native is None else isa.CLASSES.index(native)
-    return [pytest.param(c, marks=pytest.mark.skipif(i >= top, reason=(
-        f"{c} is this CPU's own class: there is no second build to load beside it" if i == top else
-        f"this CPU's highest class is {native}: {c} code cannot execute here"))) for i, c in enumerate(isa.CLASSES)]
-
-
-@pytest.mark.parametrize("cls", _classes_below_native())
+@pytest.mark.parametrize("cls", _lower_classes("there is no second build to load beside it"))
 def test_a_lower_class_step_loads_beside_the_native_one(monkeypatch, cls):
     """Each class's build of step_layers.cpp registers its own StepWeights (pybind11 module_local): without it, a
     second build loaded in the same process (a benchmark forcing a class beside the engine at the host's own)
