@@ -99,6 +99,33 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch(heads, kv_heads, hea
         assert (alone.double() - want).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128)])
+def test_long_contexts_in_spans_match_float64_alone_and_in_a_batch(heads, kv_heads, head_dim, bf16_decode_path):
+    """Contexts of several 128-token spans (the bfloat16 path cuts each task into spans taken by the threads and
+    merges them by their largest scores), with sliding-window starts before, inside and at a span's edge: against
+    float64, and a sequence alone bit for bit its row in the batch."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())
+    block_size, num_blocks = 16, 80
+    k = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([129, 255, 256, 257, 700, 1000, 1000])
+    starts = torch.tensor([0, 100, 128, 200, 384, 0, 999])
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:63] for _ in range(len(lens))])
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    for windowed in (None, starts):
+        got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, windowed)
+        for i in range(len(lens)):
+            first = 0 if windowed is None else int(starts[i])
+            keys = k[tables[i]].reshape(-1, kv_heads, head_dim)[first:lens[i]].double().transpose(0, 1)[None]
+            vals = v[tables[i]].reshape(-1, kv_heads, head_dim)[first:lens[i]].double().transpose(0, 1)[None]
+            want = F.scaled_dot_product_attention(q[i].double()[None, :, None, :], keys, vals, enable_gqa=True)[0, :, 0]
+            assert (got[i].double() - want).abs().max().item() < 2e-2, (i, windowed is not None)
+            alone = cpu_attention.paged_decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lens[i:i + 1], scale,
+                                                         None if windowed is None else windowed[i:i + 1])
+            assert torch.equal(alone, got[i:i + 1]), (i, windowed is not None)
+
+
 @pytest.mark.parametrize("kernel", [None, cpu_attention.paged_decode_attention], ids=["sdpa", "cpp"])
 def test_paged_attention_context_mixes_prefill_and_decode(kernel):
     """One step with a decode and a prompt chunk over a cached prefix, as the engine builds it."""

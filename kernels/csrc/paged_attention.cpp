@@ -8,8 +8,9 @@
 // (bfloat16 products are exact in float32, so this is the float path's arithmetic in another
 // order), 16 tokens' scores reduced together rather than one horizontal sum a token, V widened
 // two lanes per instruction, and token rows found by walking the block table rather than a
-// division a token. The task is a function of its own sequence alone: a row gets the same bits
-// in any batch.
+// division a token; each task in 128-token spans the threads take as work items, merged by their largest
+// scores (decode_bf16). The tasks and their spans are a function of their own sequence alone: a row gets the
+// same bits in any batch.
 //
 // Other caches, and CPUs without AVX-512 BF16, take fixed_task for the common shapes: queries and
 // accumulators in registers, the cache widened to float32 as it is read, on 16-lane AVX-512F or 8-lane
@@ -43,7 +44,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -153,14 +157,15 @@ inline __m512 load16(const at::Half* p) {
 }
 
 
-// In-place softmax of n floats.
-inline void softmax_inplace(float* x, int64_t n) {
+// x[i] = exp(x[i] - max x) in place over n >= 1 floats; returns {max x, the sum of the exps}.
+inline std::pair<float, float> exp_shifted(float* x, int64_t n) {
   __m512 mx = _mm512_set1_ps(x[0]);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(x + i));
   const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
   if (i < n) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, x + i));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  const float top = _mm512_reduce_max_ps(mx);
+  const __m512 m = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (i = 0; i + 16 <= n; i += 16) {
     const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
@@ -172,8 +177,15 @@ inline void softmax_inplace(float* x, int64_t n) {
     _mm512_mask_storeu_ps(x + i, tail, e);
     sum = _mm512_add_ps(sum, e);
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-  for (i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
+  return {top, _mm512_reduce_add_ps(sum)};
+}
+
+// In-place softmax of n floats.
+inline void softmax_inplace(float* x, int64_t n) {
+  const __m512 inv = _mm512_set1_ps(1.0f / exp_shifted(x, n).second);
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n % 16)) - 1);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), inv));
   if (i < n) _mm512_mask_storeu_ps(x + i, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, x + i), inv));
 }
 
@@ -513,12 +525,13 @@ inline __m512 sum_lanes16(const __m512* v) {
   return _mm512_permutexvar_ps(order, f);
 }
 
-// Walks a sequence's token rows through its block table: one lookup a block, no division a token.
+// Walks a sequence's token rows through its block table from a given token: one lookup a block, no division a
+// token.
 struct TokenRows {
   const uint16_t* cache;
   const int64_t* table;
   int64_t block_size, block_stride, token_stride, offset;
-  int64_t block = 0, in_block = 0;
+  int64_t block, in_block;
   const uint16_t* next() {
     const uint16_t* row = cache + table[block] * block_stride + in_block * token_stride + offset;
     if (++in_block == block_size) in_block = 0, ++block;
@@ -526,20 +539,24 @@ struct TokenRows {
   }
 };
 
-// One (sequence, KV head) task on a bfloat16 cache: G query heads, head_dim = 32 * KD. q rows are
-// bfloat16 (the model's own values, unscaled: the scale multiplies the scores); writes G rows of
-// head_dim float32 to acc_out.
+// One (sequence, KV head) task on a bfloat16 cache, over the sequence's tokens t0 .. t1 (of its visible context,
+// counted from its table's first block; tokens before `skip` lie before a sliding window): G query heads,
+// head_dim = 32 * KD. q rows are bfloat16 (the model's own values, unscaled: the scale multiplies the scores).
+// Writes, per query head, the span's largest score to top[g], the sum of exp(score - top) to total[g] and the sum
+// of exp(score - top) v, head_dim float32, to acc_out (a span with no visible token: -inf, 0, zeros), so spans of
+// one task merge into its softmax-weighted sum (merge_spans).
 template <int G, int KD>
 void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t* v_cache, const int64_t* table,
-               int64_t len, int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride,
-               int64_t kv_offset, float scale, float* scores, float* acc_out, float softcap) {
+               int64_t t0, int64_t t1, int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride,
+               int64_t kv_offset, float scale, float* scores, float* acc_out, float* top, float* total, float softcap) {
+  const int64_t len = t1 - t0, hidden = std::min(len, std::max<int64_t>(0, skip - t0));
   __m512bh qv[G][KD];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < KD; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q[g] + 32 * c);
   const __m512 sc = _mm512_set1_ps(scale);
-  TokenRows keys{k_cache, table, block_size, block_stride, token_stride, kv_offset};
-  for (int64_t t0 = 0; t0 < len; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, len - t0);
+  TokenRows keys{k_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size, t0 % block_size};
+  for (int64_t i0 = 0; i0 < len; i0 += 16) {
+    const int64_t n = std::min<int64_t>(16, len - i0);
     const uint16_t* rows[16];
     for (int64_t i = 0; i < n; ++i) rows[i] = keys.next();
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -551,18 +568,26 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
           for (int c = 0; c < KD; ++c)
             acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_loadu_si512(rows[i] + 32 * c), qv[g][c]);
       }
-      _mm512_mask_storeu_ps(scores + g * len + t0, valid, _mm512_mul_ps(sum_lanes16(acc), sc));
+      _mm512_mask_storeu_ps(scores + g * len + i0, valid, _mm512_mul_ps(sum_lanes16(acc), sc));
     }
   }
   cap_scores(scores, G * len, softcap);
-  for (int g = 0; g < G; ++g) softmax_visible(scores + g * len, len, skip);
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    std::fill(sg, sg + hidden, 0.f);
+    if (hidden == len) {
+      top[g] = -std::numeric_limits<float>::infinity(), total[g] = 0.f;
+    } else {
+      std::tie(top[g], total[g]) = exp_shifted(sg + hidden, len - hidden);
+    }
+  }
   // a raw 32-lane bfloat16 vector widens to its even lanes (x << 16) and its odd ones (x & 0xffff0000):
   // acc[g][2c] holds dims 32c, 32c + 2, ..., acc[g][2c + 1] dims 32c + 1, 32c + 3, ...
   __m512 acc[G][2 * KD];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 2 * KD; ++c) acc[g][c] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  TokenRows values{v_cache, table, block_size, block_stride, token_stride, kv_offset};
+  TokenRows values{v_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size, t0 % block_size};
   for (int64_t t = 0; t < len; ++t) {
     const uint16_t* row = values.next();
     __m512 vr[2 * KD];
@@ -587,7 +612,7 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
 }
 
 using Bf16Task = void (*)(const uint16_t* const*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float*, float*, float);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float);
 
 // Whether a bfloat16 cache takes bf16_task: tests turn it off to check the float path on this host
 // (the one a CPU without AVX-512 BF16 runs).
@@ -734,6 +759,87 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
   });
 }
 
+#if defined(__AVX512BF16__)
+// One task's output rows (its G query heads, head_dim each) from its spans' parts (bf16_task's sums, tops and
+// totals, `part` floats apart): the sums over spans weighted by exp(top - the largest top), over the totals
+// weighted alike.
+template <typename T>
+void merge_spans(const float* parts, int64_t spans, int64_t part, int64_t group, int64_t head_dim, T* out) {
+  std::vector<float> weight(spans);
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t top = group * head_dim + g, total = top + group;
+    float most = -std::numeric_limits<float>::infinity(), denominator = 0.f;
+    for (int64_t i = 0; i < spans; ++i) most = std::max(most, parts[i * part + top]);
+    for (int64_t i = 0; i < spans; ++i) {
+      weight[i] = std::exp(parts[i * part + top] - most);
+      denominator += weight[i] * parts[i * part + total];
+    }
+    const float inv = 1.f / denominator;
+    for (int64_t d = 0; d < head_dim; ++d) {
+      float sum = 0.f;
+      for (int64_t i = 0; i < spans; ++i) sum += weight[i] * parts[i * part + g * head_dim + d];
+      out[g * head_dim + d] = static_cast<T>(sum * inv);
+    }
+  }
+}
+
+// A decode call's (sequence, KV head) tasks on a bfloat16 cache, each cut into spans of kSpanTokens tokens taken
+// by the threads as work items, then merged (merge_spans). A batch-1 step of a model with 3 KV heads on 2 threads
+// ran one whole task a thread, one thread two and the other one: at 1,500 tokens of context the step took 1.07x
+// as long (Zen 5). A task's spans follow from its own context length alone, so a sequence gets the same bits
+// alone and in any batch.
+constexpr int64_t kSpanTokens = 128;  // whole 16-token groups (bf16_task's scoring)
+
+template <typename T>
+void decode_bf16(Bf16Task task_fn, const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                 const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads,
+                 int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks, float scale,
+                 float softcap) {
+  const int64_t group = num_heads / num_kv_heads, tasks = num_seqs * num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+  const int64_t part = group * (head_dim + 2);  // a span's sums, then its tops, then its totals
+  std::vector<int64_t> first(tasks + 1, 0);     // each task's first work item
+  for (int64_t task = 0; task < tasks; ++task) {
+    const int64_t s = task / num_kv_heads;
+    const int64_t len = visible(context_lens[s], starts ? starts[s] : 0, block_size).len;
+    first[task + 1] = first[task] + std::max<int64_t>(1, (len + kSpanTokens - 1) / kSpanTokens);
+  }
+  const int64_t items = first[tasks];
+  std::vector<float> parts(items * part);
+  const auto* k = reinterpret_cast<const uint16_t*>(k_cache);
+  const auto* v = reinterpret_cast<const uint16_t*>(v_cache);
+  const auto rows_of = [&](int64_t task) {  // the task's first query head's output row
+    return out + (task / num_kv_heads * num_heads + task % num_kv_heads * group) * head_dim;
+  };
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    int64_t task = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
+    for (int64_t item = begin; item < end; ++item) {
+      while (first[task + 1] <= item) ++task;
+      const int64_t s = task / num_kv_heads, kvh = task % num_kv_heads, spans = first[task + 1] - first[task];
+      const Visible vis = visible(context_lens[s], starts ? starts[s] : 0, block_size);
+      const int64_t t0 = (item - first[task]) * kSpanTokens, t1 = std::min(vis.len, t0 + kSpanTokens);
+      float* p = parts.data() + item * part;
+      const uint16_t* qrows[8];
+      for (int64_t g = 0; g < group; ++g)
+        qrows[g] = reinterpret_cast<const uint16_t*>(q + (s * num_heads + kvh * group + g) * head_dim);
+      scores.resize(group * (t1 - t0));
+      task_fn(qrows, k, v, block_tables + s * max_blocks + vis.first_block, t0, t1, vis.skip, block_size, block_stride,
+              token_stride, kvh * head_dim, scale, scores.data(), p, p + group * head_dim,
+              p + group * head_dim + group, softcap);
+      if (spans == 1) merge_spans(p, 1, part, group, head_dim, rows_of(task));
+    }
+  });
+  if (items == tasks) return;  // every task one span, merged in place
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task)
+      if (first[task + 1] - first[task] > 1)
+        merge_spans(parts.data() + first[task] * part, first[task + 1] - first[task], part, group, head_dim,
+                    rows_of(task));
+  });
+}
+#endif
+
 template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads,
@@ -746,7 +852,11 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const FixedTask fixed = pick_fixed_task<T>(group, head_dim);
 #endif
 #if defined(__AVX512BF16__)
-  const Bf16Task bf16 = std::is_same_v<T, at::BFloat16> ? pick_bf16_task(group, head_dim) : nullptr;
+  if (const Bf16Task bf16 = std::is_same_v<T, at::BFloat16> ? pick_bf16_task(group, head_dim) : nullptr) {
+    decode_bf16(bf16, q, k_cache, v_cache, block_tables, context_lens, starts, out, num_seqs, num_heads, num_kv_heads,
+                head_dim, block_size, max_blocks, scale, softcap);
+    return;
+  }
 #endif
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), row(head_dim), acc(group * head_dim), scores;
@@ -764,18 +874,6 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
           for (int64_t d = 0; d < head_dim; ++d) o[d] = static_cast<T>(acc[g * head_dim + d]);
         }
       };
-#if defined(__AVX512BF16__)
-      if (bf16 != nullptr) {
-        const uint16_t* qrows[8];
-        for (int64_t g = 0; g < group; ++g)
-          qrows[g] = reinterpret_cast<const uint16_t*>(q + (s * num_heads + kvh * group + g) * head_dim);
-        scores.resize(group * len);
-        bf16(qrows, reinterpret_cast<const uint16_t*>(k_cache), reinterpret_cast<const uint16_t*>(v_cache), table, len,
-             skip, block_size, block_stride, token_stride, kvh * head_dim, scale, scores.data(), acc.data(), softcap);
-        write_out();
-        continue;
-      }
-#endif
       for (int64_t g = 0; g < group; ++g)
         load_row(q + (s * num_heads + kvh * group + g) * head_dim, qf.data() + g * head_dim, head_dim);
       scores.assign(group * len, 0.f);
