@@ -53,7 +53,7 @@ def arena(nbytes: int) -> torch.Tensor:
     offset = (-base.data_ptr()) % HUGE
     out = base[offset:offset + nbytes]
     madvise = _madvise()
-    if madvise is not None and nbytes:
+    if madvise is not None:
         length = -(-nbytes // HUGE) * HUGE  # whole pages, inside the mapping's 2 MiB of slack
         if madvise(out.data_ptr(), length, MADV_HUGEPAGE) != 0:
             log.info("madvise(MADV_HUGEPAGE) refused (errno %d): weights on small pages", ctypes.get_errno())

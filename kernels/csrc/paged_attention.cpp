@@ -762,22 +762,22 @@ void decode_kernel_q8(const T* q, const int8_t* k_cache, const int8_t* v_cache, 
 #if defined(__AVX512BF16__)
 // One task's output rows (its G query heads, head_dim each) from its spans' parts (bf16_task's sums, tops and
 // totals, `part` floats apart): the sums over spans weighted by exp(top - the largest top), over the totals
-// weighted alike.
+// weighted alike. Each top is overwritten by its weight (the parts are the call's scratch: no allocation here).
 template <typename T>
-void merge_spans(const float* parts, int64_t spans, int64_t part, int64_t group, int64_t head_dim, T* out) {
-  std::vector<float> weight(spans);
+void merge_spans(float* parts, int64_t spans, int64_t part, int64_t group, int64_t head_dim, T* out) {
   for (int64_t g = 0; g < group; ++g) {
     const int64_t top = group * head_dim + g, total = top + group;
     float most = -std::numeric_limits<float>::infinity(), denominator = 0.f;
     for (int64_t i = 0; i < spans; ++i) most = std::max(most, parts[i * part + top]);
     for (int64_t i = 0; i < spans; ++i) {
-      weight[i] = std::exp(parts[i * part + top] - most);
-      denominator += weight[i] * parts[i * part + total];
+      float& weight = parts[i * part + top];
+      weight = std::exp(weight - most);
+      denominator += weight * parts[i * part + total];
     }
     const float inv = 1.f / denominator;
     for (int64_t d = 0; d < head_dim; ++d) {
       float sum = 0.f;
-      for (int64_t i = 0; i < spans; ++i) sum += weight[i] * parts[i * part + g * head_dim + d];
+      for (int64_t i = 0; i < spans; ++i) sum += parts[i * part + top] * parts[i * part + g * head_dim + d];
       out[g * head_dim + d] = static_cast<T>(sum * inv);
     }
   }
