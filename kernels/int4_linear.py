@@ -41,7 +41,8 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None):
     (packed [N/32, K/8, 32] int32, scales [N/32, G, 32] float32, offsets of the same shape or None).
 
     Columns pad to whole blocks with q = 0 and scale 0. Word (kw, c) holds u = q + 8 for
-    k = 8 kw + 2j at bits 4j and for k = 8 kw + 2j + 1 at bits 16 + 4j (j = 0..3)."""
+    k = 8 kw + 2j at bits 4j and for k = 8 kw + 2j + 1 at bits 16 + 4j (j = 0..3); a block stores each pair of
+    groups' words alternating (csrc/int4_linear.cpp, stored_words)."""
     n, k = q.shape
     groups = scale.shape[1]
     if not fits(n, k, groups):
@@ -65,7 +66,7 @@ def pack_words(words: torch.Tensor, k: int, scale: torch.Tensor, zero: torch.Ten
     module = load()
     if module is None:
         raise RuntimeError("int4_linear: the kernel is not built for this CPU class (AVX2 + FMA at least)")
-    packed = module.repack_words(words.contiguous())  # kernels/csrc/int4_linear.cpp: one pass over the words
+    packed = module.repack_words(words.contiguous(), groups)  # kernels/csrc/int4_linear.cpp: one pass over the words
     return (packed, *_scales_by_block(scale, zero, packed.shape[0]))
 
 

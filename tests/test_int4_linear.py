@@ -65,7 +65,7 @@ def test_int4_linear_matches_float64(m, n, k, group, asym, bias):
 
 @needs_kernel
 @pytest.mark.parametrize("m, n, k, group, asym", [(141, 100, 192, 32, True), (37, 64, 512, 128, False),
-                                                  (20, 232, 256, 64, True)])
+                                                  (20, 232, 256, 64, True), (29, 96, 576, 64, False)])
 def test_a_prompt_chunks_rows_are_the_decode_rows_bit_for_bit(m, n, k, group, asym):
     # a prompt chunk widens each block once and sums the same exact products in the same order as a decode
     # step's streaming tiles: every row comes out as it does alone
@@ -113,7 +113,7 @@ def test_int4_linear_refuses_what_it_was_not_packed_for():
 def test_a_checkpoints_stored_words_pack_as_its_values_do(n, k, groups, asym):
     # a compressed-tensors checkpoint's 4-bit words (compressed-tensors' own packer writes them) repacked word by
     # word, and the values packed, give the layout the kernel's docstring states, written out here nibble by
-    # nibble in int64; padding columns (u = 8 everywhere) included
+    # nibble in int64 and word by word; padding columns (u = 8 everywhere) included
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
     from infer.runtime.model.compressed_tensors import unpack_int32
@@ -134,6 +134,13 @@ def test_a_checkpoints_stored_words_pack_as_its_values_do(n, k, groups, asym):
     for j in range(4):
         want |= u[:, 2 * j::8] << (4 * j) | u[:, 2 * j + 1::8] << (16 + 4 * j)
     want = (want - (want >= 2**31) * 2**32).to(torch.int32).view(blocks, 32, k // 8).transpose(1, 2)
+    # each pair of groups' words alternate in a block (word i of group g + q at g x words + 2 i + q, g even); an odd
+    # count's last group stays as it is
+    words_a_group, order = k // 8 // groups, []
+    for g in range(0, groups - 1, 2):
+        order += [w for i in range(words_a_group) for w in (g * words_a_group + i, (g + 1) * words_a_group + i)]
+    order += list(range(len(order), k // 8))
+    want = want[:, order]
     from_words = int4_linear.pack_words(words, k, scale, zero)
     from_values = int4_linear.pack(q, scale, zero)
     assert torch.equal(from_words[0], want) and torch.equal(from_values[0], want)

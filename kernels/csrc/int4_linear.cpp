@@ -5,15 +5,16 @@
 // A decode step reads every weight once, so a 4-bit weight is a quarter of a bfloat16 one's
 // bytes; what matters is turning nibbles into products without spending more than the memory
 // saves. The weight is packed once, at load, per block of 32 output columns: [N/32][K/8][32]
-// 32-bit words, word (kw, c) holding the 8 nibbles u = q + 8 of column c at k = 8 kw .. 8 kw + 7,
+// 32-bit words (each pair of groups' words alternating: stored_words), word (kw, c) holding the 8 nibbles u = q + 8
+// of column c at k = 8 kw .. 8 kw + 7,
 // placed so that (word >> 4j) & 0x000F000F is the pair (u[2j], u[2j + 1]) in two 16-bit halves.
 // OR-ing 0x4300 into each half makes the bfloat16 numbers 128 + u exactly, so one shift and one
 // ternary-logic op give a pair vdpbf16ps multiplies against a broadcast pair of x. Per group the
 // float32 sum is S = sum (128 + u) x; the weight is (u - 8 - z) s, so y += s (S - (136 + z) sum x),
 // with sum x over the group computed once per row. Products of a bfloat16 x and 128 + u are exact
 // in float32; the sums lose about 4 bits of float32's 24 to the offset, far below the bfloat16
-// output's rounding. Rows go in tiles of 4/2/1, each weight load serving every row of the tile; a group's even
-// and odd pairs are summed apart (four dependency chains a row) and added at its end, on every path.
+// output's rounding. Rows go in tiles of 4/2/1, each weight load serving every row of the tile; each group's pairs
+// are summed in order, in one chain a row and vector, on every path.
 //
 // Without vdpbf16ps a nibble is masked in place and converted as an integer: word & (15 << 4j) is
 // u[2j] 16^j, and (word >> 16) & (15 << 4j) is u[2j + 1] 16^j, each multiplied with FMA by x[k] 16^-j
@@ -80,6 +81,18 @@ inline Int4Inputs check_int4_inputs(const torch::Tensor& x, const torch::Tensor&
   return {m, k, blocks, groups, off, b};
 }
 
+// Where a block stores a group's words (repack_words): groups in pairs, word i of group g at 2 i + (g & 1) from the
+// pair's first word, so a decode tile reads two groups side by side from one sequential stream and sums each in
+// chains of its own (four vdpbf16ps chains a decode row, where summing one group's even and odd pairs apart made
+// a prompt tile run every group twice); the last group of an odd count as it is. Word i of group g: first + i stride.
+struct GroupWords {
+  int64_t first, stride;
+};
+inline GroupWords stored_words(int64_t g, int64_t group_words, int64_t groups) {
+  if ((g | 1) >= groups) return {g * group_words, 1};
+  return {(g & ~int64_t{1}) * group_words + (g & 1), 2};
+}
+
 }  // namespace
 
 #if defined(__AVX512BF16__)
@@ -102,52 +115,71 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
 }
 
-// y[r0 .. r0 + ROWS, block columns] for one 32-column block.
-template <int ROWS>
-inline void tile(const Args& a, int64_t blk, int64_t r0) {
-  const int64_t words = a.k / 8;
-  const uint32_t* wb = a.w + blk * words * BLOCK_N;
-  const float* sb = a.scale + blk * a.groups * BLOCK_N;
-  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N : nullptr;
+// The sums of groups g .. g + GROUPS over ROWS rows for one 32-column block: each group's pairs in order, one
+// vdpbf16ps chain a row, vector and group, the sums a prompt tile makes. Two groups give a decode row four chains,
+// which hide vdpbf16ps's latency, read from one stream (stored_words: a pair of groups' words alternate).
+template <int ROWS, int GROUPS>
+inline void group_sums(const Args& a, const uint32_t* wb, int64_t g, int64_t r0, __m512 (&acc)[GROUPS][ROWS][2]) {
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
-  __m512 y[ROWS][2];
-  for (int r = 0; r < ROWS; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < a.groups; ++g) {
-    // the even and the odd pairs (j) in separate sums: four dependency chains a row, where two left a decode row
-    // waiting on vdpbf16ps's latency (1.24x hot in cache on one Zen 5 thread, 1.12x on two)
-    __m512 acc[ROWS][2], odd[ROWS][2];
-    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = odd[r][0] = odd[r][1] = _mm512_setzero_ps();
-    for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
-      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
-      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N + 16);
-      const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
-      for (int j = 0; j < 4; ++j) {
+  for (int q = 0; q < GROUPS; ++q)
+    for (int r = 0; r < ROWS; ++r) acc[q][r][0] = acc[q][r][1] = _mm512_setzero_ps();
+  const GroupWords at = stored_words(g, a.group_words, a.groups);
+  for (int64_t i = 0; i < a.group_words; ++i) {
+    __m512i v[GROUPS][2];
+    for (int q = 0; q < GROUPS; ++q) {
+      const uint32_t* word = wb + (at.first + i * at.stride + q) * BLOCK_N;
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
+      v[q][0] = _mm512_loadu_si512(word);
+      v[q][1] = _mm512_loadu_si512(word + 16);
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j)
+      for (int q = 0; q < GROUPS; ++q) {
         // (v >> 4j) & 0x000F000F | 0x43004300: truth table 0xEA is (A & B) | C
-        const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(v0, 4 * j), nibbles, exponent, 0xEA);
-        const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA);
+        const __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(v[q][0], 4 * j), nibbles, exponent, 0xEA);
+        const __m512bh w1 = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi32(v[q][1], 4 * j), nibbles, exponent, 0xEA);
+        const int64_t k = 8 * ((g + q) * a.group_words + i) + 2 * j;
         for (int r = 0; r < ROWS; ++r) {
           int32_t pair;
-          std::memcpy(&pair, a.x + (r0 + r) * a.k + 8 * kw + 2 * j, sizeof(pair));
+          std::memcpy(&pair, a.x + (r0 + r) * a.k + k, sizeof(pair));
           const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-          if (j % 2 == 0) {  // (j is a constant here: a pointer to either array would keep them in memory)
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], w0, xv);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], w1, xv);
-          } else {
-            odd[r][0] = _mm512_dpbf16_ps(odd[r][0], w0, xv);
-            odd[r][1] = _mm512_dpbf16_ps(odd[r][1], w1, xv);
-          }
+          acc[q][r][0] = _mm512_dpbf16_ps(acc[q][r][0], w0, xv);
+          acc[q][r][1] = _mm512_dpbf16_ps(acc[q][r][1], w1, xv);
         }
       }
-    }
-    const __m512 s0 = _mm512_loadu_ps(sb + g * BLOCK_N), s1 = _mm512_loadu_ps(sb + g * BLOCK_N + 16);
-    const __m512 o0 = ob != nullptr ? _mm512_loadu_ps(ob + g * BLOCK_N) : _mm512_set1_ps(136.f);
-    const __m512 o1 = ob != nullptr ? _mm512_loadu_ps(ob + g * BLOCK_N + 16) : _mm512_set1_ps(136.f);
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]);
-      const __m512 sum0 = _mm512_add_ps(acc[r][0], odd[r][0]), sum1 = _mm512_add_ps(acc[r][1], odd[r][1]);
-      y[r][0] = _mm512_fmadd_ps(s0, _mm512_fnmadd_ps(o0, xs, sum0), y[r][0]);
-      y[r][1] = _mm512_fmadd_ps(s1, _mm512_fnmadd_ps(o1, xs, sum1), y[r][1]);
-    }
+  }
+}
+
+// y += s (S - o sum x) for group g's sums S of a block's 16-column vector h (o: 136 + z, or 136), the one step
+// every path takes per group, row and vector
+inline __m512 scaled_group(const Args& a, int64_t blk, int64_t g, int h, int64_t row, __m512 sum, __m512 y) {
+  const int64_t at = (blk * a.groups + g) * BLOCK_N + 16 * h;
+  const __m512 o = a.offset != nullptr ? _mm512_loadu_ps(a.offset + at) : _mm512_set1_ps(136.f);
+  const __m512 xs = _mm512_set1_ps(a.xsum[row * a.groups + g]);
+  return _mm512_fmadd_ps(_mm512_loadu_ps(a.scale + at), _mm512_fnmadd_ps(o, xs, sum), y);
+}
+
+// y[r0 .. r0 + ROWS, block columns] for one 32-column block: groups two at a time (group_sums), each added to y in
+// group order.
+template <int ROWS>
+inline void tile(const Args& a, int64_t blk, int64_t r0) {
+  const uint32_t* wb = a.w + blk * (a.k / 8) * BLOCK_N;
+  __m512 y[ROWS][2];
+  for (int r = 0; r < ROWS; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
+  int64_t g = 0;
+  for (; g + 2 <= a.groups; g += 2) {
+    __m512 acc[2][ROWS][2];
+    group_sums<ROWS, 2>(a, wb, g, r0, acc);
+    for (int q = 0; q < 2; ++q)
+      for (int r = 0; r < ROWS; ++r)
+        for (int h = 0; h < 2; ++h) y[r][h] = scaled_group(a, blk, g + q, h, r0 + r, acc[q][r][h], y[r][h]);
+  }
+  if (g < a.groups) {
+    __m512 acc[1][ROWS][2];
+    group_sums<ROWS, 1>(a, wb, g, r0, acc);
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < 2; ++h) y[r][h] = scaled_group(a, blk, g, h, r0 + r, acc[0][r][h], y[r][h]);
   }
   for (int h = 0; h < 2; ++h) {
     const int64_t col = blk * BLOCK_N + 16 * h;
@@ -175,9 +207,12 @@ inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N;
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
   for (int64_t kw = 0; kw < words; ++kw) {
-    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
-    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N + 16);
-    const __m512i v0 = _mm512_loadu_si512(wb + kw * BLOCK_N), v1 = _mm512_loadu_si512(wb + kw * BLOCK_N + 16);
+    const int64_t g = kw / a.group_words;
+    const GroupWords at = stored_words(g, a.group_words, a.groups);
+    const uint32_t* word = wb + (at.first + (kw - g * a.group_words) * at.stride) * BLOCK_N;
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
+    const __m512i v0 = _mm512_loadu_si512(word), v1 = _mm512_loadu_si512(word + 16);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       int32_t* out = wp + (4 * kw + j) * BLOCK_N;
@@ -194,55 +229,32 @@ template <int ROWS, int BLOCKS>
 inline void tile_pairs(const Args& a, const int32_t* const* wp, int64_t blk, int64_t r0) {
   constexpr int V = 2 * BLOCKS;  // vectors of 16 columns
   const int64_t pairs = 4 * a.group_words;  // k pairs a group
-  const int64_t block_scales = a.groups * BLOCK_N;
   alignas(64) float y[ROWS][V][16] = {};
-  alignas(64) float even[ROWS][V][16];
   for (int64_t g = 0; g < a.groups; ++g) {
     __m512 acc[ROWS][V];
     const uint16_t* xg = a.x + r0 * a.k + 2 * g * pairs;
-    // `tile`'s two sums, even pairs and odd, one pass each (the first waits in memory)
-    for (int parity = 0; parity < 2; ++parity) {
 #pragma GCC unroll 64
-      for (int r = 0; r < ROWS; ++r)
+    for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
-      for (int64_t p = parity; p < pairs; p += 2) {
-        __m512bh w[V];
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; ++p) {  // `group_sums`'s chains
+      __m512bh w[V];
 #pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp[v / 2] + (g * pairs + p) * BLOCK_N + 16 * (v % 2));
+      for (int v = 0; v < V; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp[v / 2] + (g * pairs + p) * BLOCK_N + 16 * (v % 2));
 #pragma GCC unroll 64
-        for (int r = 0; r < ROWS; ++r) {
-          int32_t pair;
-          std::memcpy(&pair, xg + r * a.k + 2 * p, sizeof(pair));
-          const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xg + r * a.k + 2 * p, sizeof(pair));
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
 #pragma GCC unroll 4
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xv);
-        }
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], w[v], xv);
       }
-#pragma GCC unroll 64
-      for (int r = 0; r < ROWS; ++r)
-#pragma GCC unroll 4
-        for (int v = 0; v < V; ++v) {
-          if (parity == 0)
-            _mm512_store_ps(even[r][v], acc[r][v]);
-          else
-            acc[r][v] = _mm512_add_ps(_mm512_load_ps(even[r][v]), acc[r][v]);
-        }
-    }
-    __m512 s[V], o[V];
-#pragma GCC unroll 4
-    for (int v = 0; v < V; ++v) {
-      const int64_t at = (blk + v / 2) * block_scales + g * BLOCK_N + 16 * (v % 2);
-      s[v] = _mm512_loadu_ps(a.scale + at);
-      o[v] = a.offset != nullptr ? _mm512_loadu_ps(a.offset + at) : _mm512_set1_ps(136.f);
     }
 #pragma GCC unroll 64
-    for (int r = 0; r < ROWS; ++r) {  // as `tile`
-      const __m512 xs = _mm512_set1_ps(a.xsum[(r0 + r) * a.groups + g]);
+    for (int r = 0; r < ROWS; ++r)
 #pragma GCC unroll 4
       for (int v = 0; v < V; ++v)
-        _mm512_store_ps(y[r][v], _mm512_fmadd_ps(s[v], _mm512_fnmadd_ps(o[v], xs, acc[r][v]), _mm512_load_ps(y[r][v])));
-    }
+        _mm512_store_ps(y[r][v], scaled_group(a, blk + v / 2, g, v % 2, r0 + r, acc[r][v], _mm512_load_ps(y[r][v])));
   }
   for (int v = 0; v < V; ++v) {
     const int64_t col = blk * BLOCK_N + 16 * v;
@@ -429,12 +441,14 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
     vf acc[ROWS][V][2];
     for (int r = 0; r < ROWS; ++r)
       for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = vzero();
+    const GroupWords at = stored_words(g, a.group_words, a.groups);
     for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
-      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
-      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N + 16);
+      const uint32_t* word = wb + (at.first + (kw - g * a.group_words) * at.stride) * BLOCK_N;
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
       vi lo[V], hi[V];  // the even k's nibbles at bits 4j, and (shifted down once) the odd k's
       for (int v = 0; v < V; ++v) {
-        lo[v] = vload_words(wb + kw * BLOCK_N + v * kLanes);
+        lo[v] = vload_words(word + v * kLanes);
         hi[v] = vsrl16(lo[v]);
       }
       for (int j = 0; j < 4; ++j) {
@@ -493,12 +507,14 @@ inline void widen_slice(const Args& a, int64_t blk, int64_t c0, float* wf) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N + c0;
   const vi nibble = vwords(0xFu);
   for (int64_t kw = 0; kw < words; ++kw) {
-    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(wb + kw * BLOCK_N);
     const int64_t g = kw / a.group_words, i = 4 * (kw % a.group_words);
+    const GroupWords at = stored_words(g, a.group_words, a.groups);
+    const uint32_t* word = wb + (at.first + (kw % a.group_words) * at.stride) * BLOCK_N;
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
     float* even = wf + (2 * g * half + i) * kSlice;
     float* odd = even + half * kSlice;
     for (int v = 0; v < 2; ++v) {
-      const vi lo = vload_words(wb + kw * BLOCK_N + v * kLanes), hi = vsrl16(lo);
+      const vi lo = vload_words(word + v * kLanes), hi = vsrl16(lo);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         vstore(even + j * kSlice + v * kLanes, vcvt(vand(vsrl(lo, 4 * j), nibble)));
@@ -665,10 +681,12 @@ bool available() { return false; }
 // the kernel reads them ([ceil(N/32), K/8, 32], k = 8 kw + 2j at bits 4j and 8 kw + 2j + 1 at 16 + 4j; a padding
 // column u = 8, q = 0, everywhere). One pass over the words: the same moves as torch ops took 32 passes, about
 // 2 s for each layer of a 7B model at load.
-torch::Tensor repack_words(torch::Tensor words) {
+torch::Tensor repack_words(torch::Tensor words, int64_t groups) {
   TORCH_CHECK(words.dim() == 2 && words.scalar_type() == at::kInt && words.is_contiguous(),
               "repack_words: words must be a contiguous [N, K/8] int32 tensor");
-  const int64_t n = words.size(0), kw = words.size(1), blocks = (n + BLOCK_N - 1) / BLOCK_N;
+  TORCH_CHECK(groups > 0 && words.size(1) % groups == 0, "repack_words: ", words.size(1), " words a row do not split into ",
+              groups, " groups");
+  const int64_t n = words.size(0), kw = words.size(1), blocks = (n + BLOCK_N - 1) / BLOCK_N, group_words = kw / groups;
   auto out = torch::empty({blocks, kw, BLOCK_N}, words.options());
   const auto* w = reinterpret_cast<const uint32_t*>(words.data_ptr());
   auto* o = reinterpret_cast<uint32_t*>(out.data_ptr());
@@ -684,7 +702,9 @@ torch::Tensor repack_words(torch::Tensor words) {
             for (int j = 0; j < 4; ++j)
               v |= ((s >> (8 * j)) & 0xFu) << (4 * j) | ((s >> (8 * j + 4)) & 0xFu) << (16 + 4 * j);
           }
-          o[(blk * kw + i) * BLOCK_N + c] = v;
+          const int64_t g = i / group_words;
+          const GroupWords at = stored_words(g, group_words, groups);
+          o[(blk * kw + at.first + (i - g * group_words) * at.stride) * BLOCK_N + c] = v;
         }
       }
   });
