@@ -412,6 +412,7 @@ inline void store_bf16(uint16_t* p, vf v) {
 #endif
 constexpr int V = BLOCK_N / kLanes;  // vectors a block row
 constexpr float kNibbleScale[4] = {1.f, 1.f / 16, 1.f / 256, 1.f / 4096};  // 16^-j, exact
+constexpr float kSymmetricOffset = 8.f;  // 136 less 128: the sums hold x u
 
 struct Args {
   const float* x;     // [M, K] float32: the bfloat16 input widened exactly (times 16^-j for `tile`, as it is for
@@ -425,54 +426,73 @@ struct Args {
   int64_t m, n, k, groups, group_words;
 };
 
+// The sums of groups g .. g + GROUPS over ROWS rows for one block: each group's k in order, one FMA chain a row,
+// vector and group (x 16^-j times u 16^j: exact products, the ones a prompt tile forms as x times u). Two groups
+// side by side, read from one stream (stored_words), give a decode row 2 V chains, as a group's even and odd k
+// summed apart did, and let a prompt tile run each group once.
+template <int ROWS, int GROUPS>
+inline void group_sums(const Args& a, const uint32_t* wb, int64_t g, int64_t r0, vf (&acc)[GROUPS][ROWS][V]) {
+  for (int q = 0; q < GROUPS; ++q)
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < V; ++v) acc[q][r][v] = vzero();
+  const GroupWords at = stored_words(g, a.group_words, a.groups);
+  for (int64_t i = 0; i < a.group_words; ++i) {
+    vi lo[GROUPS][V], hi[GROUPS][V];  // the even k's nibbles at bits 4j, and (shifted down once) the odd k's
+    for (int q = 0; q < GROUPS; ++q) {
+      const uint32_t* word = wb + (at.first + i * at.stride + q) * BLOCK_N;
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
+      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
+      for (int v = 0; v < V; ++v) {
+        lo[q][v] = vload_words(word + v * kLanes);
+        hi[q][v] = vsrl16(lo[q][v]);
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      const vi mask = vwords(0xFu << (4 * j));
+      for (int q = 0; q < GROUPS; ++q)
+        for (int r = 0; r < ROWS; ++r) {
+          // x scaled by 16^-j (exact), so that u 16^j, the masked nibble read as an integer, needs no shift
+          const float* xr = a.x + (r0 + r) * a.k + 8 * ((g + q) * a.group_words + i) + 2 * j;
+          const vf xe = vbroadcast(xr), xo = vbroadcast(xr + 1);
+          for (int v = 0; v < V; ++v) {
+            acc[q][r][v] = vfma(xe, vcvt(vand(lo[q][v], mask)), acc[q][r][v]);
+            acc[q][r][v] = vfma(xo, vcvt(vand(hi[q][v], mask)), acc[q][r][v]);
+          }
+        }
+    }
+  }
+}
+
+// y += s (S - o sum x) for group g's sums S of a block's vector v (the sums hold x u, no 128 + u here: o is the
+// offset 136 + z less 128), the one step every path takes per group, row and vector
+inline vf scaled_group(const Args& a, int64_t blk, int64_t g, int64_t c, int64_t row, vf sum, vf y) {
+  const int64_t at = (blk * a.groups + g) * BLOCK_N + c;
+  const vf o = a.offset != nullptr ? vsub128(vload(a.offset + at)) : vbroadcast(&kSymmetricOffset);
+  return vfma(vload(a.scale + at), vfnma(o, vbroadcast(a.xsum + row * a.groups + g), sum), y);
+}
+
+// y[r0 .. r0 + ROWS, block columns]: a decode row's groups two at a time (group_sums), more rows' one at a time
+// (their rows give the chains), each added to y in group order.
 template <int ROWS>
 inline void tile(const Args& a, int64_t blk, int64_t r0) {
-  const int64_t words = a.k / 8;
-  const uint32_t* wb = a.w + blk * words * BLOCK_N;
-  const float* sb = a.scale + blk * a.groups * BLOCK_N;
-  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N : nullptr;
-  alignas(64) float sym[BLOCK_N];
-  for (int i = 0; i < BLOCK_N; ++i) sym[i] = 136.f;
+  const uint32_t* wb = a.w + blk * (a.k / 8) * BLOCK_N;
+  constexpr int GROUPS = ROWS == 1 ? 2 : 1;
   vf y[ROWS][V];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = vzero();
-  for (int64_t g = 0; g < a.groups; ++g) {
-    // the even k and the odd k in separate sums: two dependency chains an accumulator instead of one
-    vf acc[ROWS][V][2];
+  int64_t g = 0;
+  for (; g + GROUPS <= a.groups; g += GROUPS) {
+    vf acc[GROUPS][ROWS][V];
+    group_sums<ROWS, GROUPS>(a, wb, g, r0, acc);
+    for (int q = 0; q < GROUPS; ++q)
+      for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < V; ++v) y[r][v] = scaled_group(a, blk, g + q, v * kLanes, r0 + r, acc[q][r][v], y[r][v]);
+  }
+  if (g < a.groups) {
+    vf acc[1][ROWS][V];
+    group_sums<ROWS, 1>(a, wb, g, r0, acc);
     for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v][0] = acc[r][v][1] = vzero();
-    const GroupWords at = stored_words(g, a.group_words, a.groups);
-    for (int64_t kw = g * a.group_words; kw < (g + 1) * a.group_words; ++kw) {
-      const uint32_t* word = wb + (at.first + (kw - g * a.group_words) * at.stride) * BLOCK_N;
-      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
-      infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
-      vi lo[V], hi[V];  // the even k's nibbles at bits 4j, and (shifted down once) the odd k's
-      for (int v = 0; v < V; ++v) {
-        lo[v] = vload_words(word + v * kLanes);
-        hi[v] = vsrl16(lo[v]);
-      }
-      for (int j = 0; j < 4; ++j) {
-        const vi mask = vwords(0xFu << (4 * j));
-        for (int r = 0; r < ROWS; ++r) {
-          // x scaled by 16^-j (exact), so that u 16^j, the masked nibble read as an integer, needs no shift
-          const float* xr = a.x + (r0 + r) * a.k + 8 * kw + 2 * j;
-          const vf xe = vbroadcast(xr), xo = vbroadcast(xr + 1);
-          for (int v = 0; v < V; ++v) {
-            acc[r][v][0] = vfma(xe, vcvt(vand(lo[v], mask)), acc[r][v][0]);
-            acc[r][v][1] = vfma(xo, vcvt(vand(hi[v], mask)), acc[r][v][1]);
-          }
-        }
-      }
-    }
-    const float* off = ob != nullptr ? ob + g * BLOCK_N : sym;
-    for (int v = 0; v < V; ++v) {
-      // the sums hold x u (no 128 + u here): the offset 136 + z less 128
-      const vf s = vload(sb + g * BLOCK_N + v * kLanes), o = vsub128(vload(off + v * kLanes));
-      for (int r = 0; r < ROWS; ++r) {
-        const vf sum = vadd(acc[r][v][0], acc[r][v][1]);
-        y[r][v] = vfma(s, vfnma(o, vbroadcast(a.xsum + (r0 + r) * a.groups + g), sum), y[r][v]);
-      }
-    }
+      for (int v = 0; v < V; ++v) y[r][v] = scaled_group(a, blk, g, v * kLanes, r0 + r, acc[0][r][v], y[r][v]);
   }
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < V; ++v) {
@@ -494,31 +514,29 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
 }
 
 // A prompt chunk: each slice of 2 vectors of a block's columns widened once a work item to the float32 u (exact;
-// K x 2 kLanes floats, in cache), laid out per group as its even k's then its odd k's, then tiles of rows that do
-// nothing but FMA: the even k's summed into one set of registers, then the odd k's into another, then added, as
-// `tile` sums them (x u, exact, is the product `tile` forms as x 16^-j times u 16^j), so every row's result is
-// the one `tile` gives, bit for bit. Masking and converting in every tile left a 256-row chunk at 0.6x the
-// bfloat16 linear's rate on Zen 5 forced to avx2.
+// K x 2 kLanes floats, in k order, in cache), then tiles of rows that do nothing but FMA, each group's k in order
+// in one chain, as `group_sums` sums them (x u, exact, is the product `tile` forms as x 16^-j times u 16^j), so
+// every row's result is the one `tile` gives, bit for bit. Masking and converting in every tile left a 256-row
+// chunk at 0.6x the bfloat16 linear's rate on Zen 5 forced to avx2.
 constexpr int kSlice = 2 * kLanes;  // columns a slice
 constexpr int kWideRows = kLanes == 16 ? 12 : 6;  // 2 x rows sums, two weight vectors and a broadcast live
 
 inline void widen_slice(const Args& a, int64_t blk, int64_t c0, float* wf) {
-  const int64_t words = a.k / 8, half = 4 * a.group_words;  // k's of one parity a group
+  const int64_t words = a.k / 8;
   const uint32_t* wb = a.w + blk * words * BLOCK_N + c0;
   const vi nibble = vwords(0xFu);
   for (int64_t kw = 0; kw < words; ++kw) {
-    const int64_t g = kw / a.group_words, i = 4 * (kw % a.group_words);
+    const int64_t g = kw / a.group_words;
     const GroupWords at = stored_words(g, a.group_words, a.groups);
     const uint32_t* word = wb + (at.first + (kw % a.group_words) * at.stride) * BLOCK_N;
     infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
-    float* even = wf + (2 * g * half + i) * kSlice;
-    float* odd = even + half * kSlice;
+    float* out = wf + 8 * kw * kSlice;  // k = 8 kw + 2j at row 2j, 8 kw + 2j + 1 at row 2j + 1
     for (int v = 0; v < 2; ++v) {
       const vi lo = vload_words(word + v * kLanes), hi = vsrl16(lo);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
-        vstore(even + j * kSlice + v * kLanes, vcvt(vand(vsrl(lo, 4 * j), nibble)));
-        vstore(odd + j * kSlice + v * kLanes, vcvt(vand(vsrl(hi, 4 * j), nibble)));
+        vstore(out + 2 * j * kSlice + v * kLanes, vcvt(vand(vsrl(lo, 4 * j), nibble)));
+        vstore(out + (2 * j + 1) * kSlice + v * kLanes, vcvt(vand(vsrl(hi, 4 * j), nibble)));
       }
     }
   }
@@ -526,48 +544,28 @@ inline void widen_slice(const Args& a, int64_t blk, int64_t c0, float* wf) {
 
 template <int ROWS>
 inline void tile_widened(const Args& a, const float* wf, int64_t blk, int64_t c0, int64_t r0) {
-  const int64_t half = 4 * a.group_words, group_size = 8 * a.group_words;
-  const float* sb = a.scale + blk * a.groups * BLOCK_N + c0;
-  const float* ob = a.offset != nullptr ? a.offset + blk * a.groups * BLOCK_N + c0 : nullptr;
-  alignas(64) float sym[kSlice];
-  for (int i = 0; i < kSlice; ++i) sym[i] = 136.f;
+  const int64_t group_size = 8 * a.group_words;
   alignas(64) float y[ROWS][2][kLanes] = {};
-  alignas(64) float even[ROWS][2][kLanes];
   for (int64_t g = 0; g < a.groups; ++g) {
-    for (int parity = 0; parity < 2; ++parity) {
-      vf acc[ROWS][2];
+    vf acc[ROWS][2];
 #pragma GCC unroll 64
-      for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
-      const float* w = wf + (2 * g + parity) * half * kSlice;
-      const float* x = a.x + r0 * a.k + g * group_size + parity;
-      for (int64_t i = 0; i < half; ++i) {
-        const vf w0 = vload(w + i * kSlice), w1 = vload(w + i * kSlice + kLanes);
+    for (int r = 0; r < ROWS; ++r) acc[r][0] = acc[r][1] = vzero();
+    const float* w = wf + g * group_size * kSlice;
+    const float* x = a.x + r0 * a.k + g * group_size;
+    for (int64_t i = 0; i < group_size; ++i) {
+      const vf w0 = vload(w + i * kSlice), w1 = vload(w + i * kSlice + kLanes);
 #pragma GCC unroll 64
-        for (int r = 0; r < ROWS; ++r) {
-          const vf xb = vbroadcast(x + r * a.k + 2 * i);
-          acc[r][0] = vfma(xb, w0, acc[r][0]);
-          acc[r][1] = vfma(xb, w1, acc[r][1]);
-        }
-      }
-      if (parity == 0) {
-#pragma GCC unroll 64
-        for (int r = 0; r < ROWS; ++r) {
-          vstore(even[r][0], acc[r][0]);
-          vstore(even[r][1], acc[r][1]);
-        }
-        continue;
-      }
-      const float* off = ob != nullptr ? ob + g * BLOCK_N : sym;
-#pragma GCC unroll 2
-      for (int v = 0; v < 2; ++v) {  // as `tile`
-        const vf s = vload(sb + g * BLOCK_N + v * kLanes), o = vsub128(vload(off + v * kLanes));
-#pragma GCC unroll 64
-        for (int r = 0; r < ROWS; ++r) {
-          const vf sum = vadd(vload(even[r][v]), acc[r][v]);
-          vstore(y[r][v], vfma(s, vfnma(o, vbroadcast(a.xsum + (r0 + r) * a.groups + g), sum), vload(y[r][v])));
-        }
+      for (int r = 0; r < ROWS; ++r) {
+        const vf xb = vbroadcast(x + r * a.k + i);
+        acc[r][0] = vfma(xb, w0, acc[r][0]);
+        acc[r][1] = vfma(xb, w1, acc[r][1]);
       }
     }
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v)  // as `tile`
+#pragma GCC unroll 64
+      for (int r = 0; r < ROWS; ++r)
+        vstore(y[r][v], scaled_group(a, blk, g, c0 + v * kLanes, r0 + r, acc[r][v], vload(y[r][v])));
   }
   for (int v = 0; v < 2; ++v) {
     const int64_t col = blk * BLOCK_N + c0 + v * kLanes;
