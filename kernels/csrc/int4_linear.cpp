@@ -92,6 +92,12 @@ inline GroupWords stored_words(int64_t g, int64_t group_words, int64_t groups) {
   if ((g | 1) >= groups) return {g * group_words, 1};
   return {(g & ~int64_t{1}) * group_words + (g & 1), 2};
 }
+// Where a block stores its word kw (of group kw / group_words)
+inline int64_t stored_word(int64_t kw, int64_t group_words, int64_t groups) {
+  const int64_t g = kw / group_words;
+  const GroupWords at = stored_words(g, group_words, groups);
+  return at.first + (kw - g * group_words) * at.stride;
+}
 
 }  // namespace
 
@@ -160,27 +166,26 @@ inline __m512 scaled_group(const Args& a, int64_t blk, int64_t g, int h, int64_t
   return _mm512_fmadd_ps(_mm512_loadu_ps(a.scale + at), _mm512_fnmadd_ps(o, xs, sum), y);
 }
 
-// y[r0 .. r0 + ROWS, block columns] for one 32-column block: groups two at a time (group_sums), each added to y in
-// group order.
+// y += groups g .. g + GROUPS of one 32-column block over ROWS rows: their sums (group_sums), scaled in group order
+template <int ROWS, int GROUPS>
+inline void add_groups(const Args& a, const uint32_t* wb, int64_t blk, int64_t g, int64_t r0, __m512 (&y)[ROWS][2]) {
+  __m512 acc[GROUPS][ROWS][2];
+  group_sums<ROWS, GROUPS>(a, wb, g, r0, acc);
+  for (int q = 0; q < GROUPS; ++q)
+    for (int r = 0; r < ROWS; ++r)
+      for (int h = 0; h < 2; ++h) y[r][h] = scaled_group(a, blk, g + q, h, r0 + r, acc[q][r][h], y[r][h]);
+}
+
+// y[r0 .. r0 + ROWS, block columns] for one 32-column block: groups two at a time (the stored pairs), an odd count's
+// last alone.
 template <int ROWS>
 inline void tile(const Args& a, int64_t blk, int64_t r0) {
   const uint32_t* wb = a.w + blk * (a.k / 8) * BLOCK_N;
   __m512 y[ROWS][2];
   for (int r = 0; r < ROWS; ++r) y[r][0] = y[r][1] = _mm512_setzero_ps();
   int64_t g = 0;
-  for (; g + 2 <= a.groups; g += 2) {
-    __m512 acc[2][ROWS][2];
-    group_sums<ROWS, 2>(a, wb, g, r0, acc);
-    for (int q = 0; q < 2; ++q)
-      for (int r = 0; r < ROWS; ++r)
-        for (int h = 0; h < 2; ++h) y[r][h] = scaled_group(a, blk, g + q, h, r0 + r, acc[q][r][h], y[r][h]);
-  }
-  if (g < a.groups) {
-    __m512 acc[1][ROWS][2];
-    group_sums<ROWS, 1>(a, wb, g, r0, acc);
-    for (int r = 0; r < ROWS; ++r)
-      for (int h = 0; h < 2; ++h) y[r][h] = scaled_group(a, blk, g, h, r0 + r, acc[0][r][h], y[r][h]);
-  }
+  for (; g + 2 <= a.groups; g += 2) add_groups<ROWS, 2>(a, wb, blk, g, r0, y);
+  if (g < a.groups) add_groups<ROWS, 1>(a, wb, blk, g, r0, y);
   for (int h = 0; h < 2; ++h) {
     const int64_t col = blk * BLOCK_N + 16 * h;
     if (col >= a.n) break;
@@ -207,9 +212,7 @@ inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N;
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
   for (int64_t kw = 0; kw < words; ++kw) {
-    const int64_t g = kw / a.group_words;
-    const GroupWords at = stored_words(g, a.group_words, a.groups);
-    const uint32_t* word = wb + (at.first + (kw - g * a.group_words) * at.stride) * BLOCK_N;
+    const uint32_t* word = wb + stored_word(kw, a.group_words, a.groups) * BLOCK_N;
     infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
     infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
     const __m512i v0 = _mm512_loadu_si512(word), v1 = _mm512_loadu_si512(word + 16);
@@ -471,8 +474,18 @@ inline vf scaled_group(const Args& a, int64_t blk, int64_t g, int64_t c, int64_t
   return vfma(vload(a.scale + at), vfnma(o, vbroadcast(a.xsum + row * a.groups + g), sum), y);
 }
 
-// y[r0 .. r0 + ROWS, block columns]: a decode row's groups two at a time (group_sums), more rows' one at a time
-// (their rows give the chains), each added to y in group order.
+// y += groups g .. g + GROUPS of one block over ROWS rows: their sums (group_sums), scaled in group order
+template <int ROWS, int GROUPS>
+inline void add_groups(const Args& a, const uint32_t* wb, int64_t blk, int64_t g, int64_t r0, vf (&y)[ROWS][V]) {
+  vf acc[GROUPS][ROWS][V];
+  group_sums<ROWS, GROUPS>(a, wb, g, r0, acc);
+  for (int q = 0; q < GROUPS; ++q)
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < V; ++v) y[r][v] = scaled_group(a, blk, g + q, v * kLanes, r0 + r, acc[q][r][v], y[r][v]);
+}
+
+// y[r0 .. r0 + ROWS, block columns]: a decode row's groups two at a time (the stored pairs), more rows' one at a
+// time (their rows give the chains), an odd count's last alone.
 template <int ROWS>
 inline void tile(const Args& a, int64_t blk, int64_t r0) {
   const uint32_t* wb = a.w + blk * (a.k / 8) * BLOCK_N;
@@ -481,19 +494,8 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < V; ++v) y[r][v] = vzero();
   int64_t g = 0;
-  for (; g + GROUPS <= a.groups; g += GROUPS) {
-    vf acc[GROUPS][ROWS][V];
-    group_sums<ROWS, GROUPS>(a, wb, g, r0, acc);
-    for (int q = 0; q < GROUPS; ++q)
-      for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < V; ++v) y[r][v] = scaled_group(a, blk, g + q, v * kLanes, r0 + r, acc[q][r][v], y[r][v]);
-  }
-  if (g < a.groups) {
-    vf acc[1][ROWS][V];
-    group_sums<ROWS, 1>(a, wb, g, r0, acc);
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < V; ++v) y[r][v] = scaled_group(a, blk, g, v * kLanes, r0 + r, acc[0][r][v], y[r][v]);
-  }
+  for (; g + GROUPS <= a.groups; g += GROUPS) add_groups<ROWS, GROUPS>(a, wb, blk, g, r0, y);
+  if (g < a.groups) add_groups<ROWS, 1>(a, wb, blk, g, r0, y);
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < V; ++v) {
       const int64_t col = blk * BLOCK_N + v * kLanes;
@@ -526,9 +528,7 @@ inline void widen_slice(const Args& a, int64_t blk, int64_t c0, float* wf) {
   const uint32_t* wb = a.w + blk * words * BLOCK_N + c0;
   const vi nibble = vwords(0xFu);
   for (int64_t kw = 0; kw < words; ++kw) {
-    const int64_t g = kw / a.group_words;
-    const GroupWords at = stored_words(g, a.group_words, a.groups);
-    const uint32_t* word = wb + (at.first + (kw % a.group_words) * at.stride) * BLOCK_N;
+    const uint32_t* word = wb + stored_word(kw, a.group_words, a.groups) * BLOCK_N;
     infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
     float* out = wf + 8 * kw * kSlice;  // k = 8 kw + 2j at row 2j, 8 kw + 2j + 1 at row 2j + 1
     for (int v = 0; v < 2; ++v) {
@@ -700,9 +700,7 @@ torch::Tensor repack_words(torch::Tensor words, int64_t groups) {
             for (int j = 0; j < 4; ++j)
               v |= ((s >> (8 * j)) & 0xFu) << (4 * j) | ((s >> (8 * j + 4)) & 0xFu) << (16 + 4 * j);
           }
-          const int64_t g = i / group_words;
-          const GroupWords at = stored_words(g, group_words, groups);
-          o[(blk * kw + at.first + (i - g * group_words) * at.stride) * BLOCK_N + c] = v;
+          o[(blk * kw + stored_word(i, group_words, groups)) * BLOCK_N + c] = v;
         }
       }
   });
