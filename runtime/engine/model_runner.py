@@ -67,7 +67,10 @@ class StepInputs:
     HOST_FIELDS = ("chunk_starts", "chunk_lengths", "chunk_contexts")
 
     def to(self, device: torch.device) -> "StepInputs":
-        """The tensors a kernel reads on ``device``, one non-blocking copy each (the same tensors on the CPU)."""
+        """The tensors a kernel reads on ``device``, one non-blocking copy each (these inputs themselves on the
+        CPU: a decode step's Python is on its critical path)."""
+        if device.type == "cpu":
+            return self
         return replace(self, **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)
                                 if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in self.HOST_FIELDS})
 
@@ -127,6 +130,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.pin = self.device.type == "cuda"  # step inputs in pinned memory: copies that do not block
+        self._no_chunks = torch.empty(0, 3, dtype=torch.long)  # a step without prompt chunks (never written)
         kv_dtype = kv_dtype or model.dtype
         if kv_dtype == torch.int8:
             kv_cache_dtype("int8", None, model.dtype, kernels)  # raises unless the C++ CPU kernels run
@@ -183,16 +187,18 @@ class ModelRunner:
             row += n
         decode_kernel = self.plan.decode_on_kernel(len(decode_rows))
         one_call = self.plan.route(len(chunks), len(decode_rows)) == (ONE_CALL,)
-        chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3)
+        chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3) if chunks else self._no_chunks
         pin = self._pinned
+        # the per-row fields from one tensor (one conversion of Python ints, not five): rows of [tokens, positions,
+        # slots] then [decode rows, decode lengths], split by views
+        t, d = len(ids), len(decode_rows)
+        flat = pin(torch.tensor(ids + positions + slots + decode_rows + decode_lens, dtype=torch.long))
         starts = None
         if self.window is not None:
-            starts = pin(torch.tensor(decode_lens, dtype=torch.long).sub_(self.window).clamp_(min=0))
-        return StepInputs(pin(torch.tensor(ids, dtype=torch.long)), pin(torch.tensor(positions, dtype=torch.long)),
-                          pin(torch.tensor(slots, dtype=torch.long)), chunk_info[:, 0], chunk_info[:, 1],
-                          chunk_info[:, 2], pin(_padded(chunk_tables)), pin(torch.tensor(decode_rows, dtype=torch.long)),
-                          pin(_padded(decode_tables)), pin(torch.tensor(decode_lens, dtype=torch.long)), decode_kernel,
-                          one_call, starts)
+            starts = pin(flat[3 * t + d:].sub(self.window).clamp_(min=0))
+        return StepInputs(flat[:t], flat[t:2 * t], flat[2 * t:3 * t], chunk_info[:, 0], chunk_info[:, 1],
+                          chunk_info[:, 2], pin(_padded(chunk_tables)), flat[3 * t:3 * t + d],
+                          pin(_padded(decode_tables)), flat[3 * t + d:], decode_kernel, one_call, starts)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.pin else t
