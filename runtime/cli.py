@@ -46,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=_at_least(1), default=None)
     p.add_argument("--max-num-batched-tokens", type=_at_least(1), default=1024,
                    help="most tokens one step computes; longer prompts are prefilled in chunks (default 1024)")
+    p.add_argument("--decode-burst", type=_at_least(1), default=8,
+                   help="a step of plain greedy decodes with no request waiting runs up to this many decode steps "
+                        "back to back (at most ~50 ms of them), without the scheduler and sampler between them: "
+                        "the same tokens, streamed a burst at a time (default 8; 1: off)")
     p.add_argument("--prefill-batch-tokens", type=_at_least(0), default=128,
                    help="waiting prompts stop joining a step once its prompt tokens reach this: a burst of long "
                         "prompts is prefilled one after another, the first answered first; short ones still "
@@ -131,7 +135,7 @@ def engine_config(args: argparse.Namespace):
                         kv_cache_dtype=args.kv_cache_dtype,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, kernels=args.kernels,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        prefill_batch_tokens=args.prefill_batch_tokens,
+                        prefill_batch_tokens=args.prefill_batch_tokens, decode_burst=args.decode_burst,
                         tuning=args.tuning, device=args.device, cuda_graphs=args.cuda_graphs,
                         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                         speculative_adaptive=args.speculative_adaptive,

@@ -281,6 +281,25 @@ def test_no_drafting_while_requests_wait(embedded_artifact):
     assert drafted and not drafted_while_waiting
 
 
+def test_streamed_deltas_carry_every_token_a_verifying_step_emits(embedded_artifact):
+    """A verifying step emits several tokens; its one output's deltas carry them all, so a client joining the
+    deltas gets the whole text (before, each emitted token made an output and only the last was returned)."""
+    from infer.runtime import LLM, SamplingParams
+
+    llm = LLM(embedded_artifact, speculative="ngram", kv_cache_memory=64 << 20)
+    engine = llm.engine
+    prompt = "Repeat: the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the"
+    engine.add_request("r", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    text, ids, last = [], [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text.append(out.delta_text)
+            ids.extend(out.delta_token_ids)
+            last = out
+    assert engine.stats["spec_emitted"] > engine.stats["spec_steps"]  # steps emitted several tokens
+    assert "".join(text) == last.text and ids == last.token_ids and len(ids) == 40
+
+
 def test_a_draft_artifact_drafts_and_the_target_keeps_its_greedy_tokens(embedded_artifact, tiny_artifact):
     """speculative=draft: the same model as its own draft is accepted almost always; a 2-layer random model with
     the same tokenizer rarely, and its drafts turn off; greedy tokens are the plain engine's either way, across

@@ -211,6 +211,17 @@ class Scheduler:
         self.bm.free_sequence(seq)
         seq.status = Status.FINISHED
 
+    def reserve(self, seqs: list[Sequence], extra: int) -> bool:
+        """Room for ``extra`` more tokens of each scheduled decode beyond this step's one (a decode burst,
+        runtime/engine/engine.py): the blocks for all of them, charged to their tenants as their steps would be,
+        or nothing at all (False) where the free blocks fall short; never preempts."""
+        if sum(self.bm.blocks_needed(s, s.num_uncomputed_tokens + extra) for s in seqs) > self.bm.num_free_blocks:
+            return False
+        for s in seqs:
+            self.bm.allocate(s, s.num_uncomputed_tokens + extra)
+            self._charge(s, extra)
+        return True
+
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.free_sequence(seq)

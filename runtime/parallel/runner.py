@@ -321,6 +321,10 @@ class TensorParallelRunner(ModelRunner):
     def error(self) -> str | None:
         return self.group.error
 
+    def bursts(self, rows: int) -> bool:
+        """Never: a burst's steps would have to reach every rank (each step's inputs go out through forward)."""
+        return False
+
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         with self.group.step() as pg:
             self.group.send_step(pg, inputs)

@@ -1,0 +1,133 @@
+"""Decode bursts (LLMEngine._burst): plain greedy decodes run several steps back to back in one engine step.
+Against the same engine stepping one token at a time: the same tokens, texts and finish reasons, with stop tokens
+and stop strings landing inside a burst; streamed deltas that add up to the text; no burst where any request in
+the batch needs the sampler, or a request waits; a row whose logits turn non-finite fails its own request alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from infer.runtime import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(embedded_artifact):
+    """bfloat16, so every decode step runs on the one-call C++ step (bursts need it)."""
+    return LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=32 << 20, tuning="off")
+
+
+def run(llm, requests: list[tuple[str, SamplingParams]], burst: int, add_later: dict | None = None):
+    """Steps the engine to the end with ``decode_burst=burst``: (final output, streamed delta texts and token ids) by
+    request, and how many forward steps ran in how many engine steps (a burst is one engine step of several).
+    ``add_later``: {step number: (prompt, params)} added before that step."""
+    engine = llm.engine
+    engine.config.decode_burst = burst
+    forward_steps = engine.stats["steps"]
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(f"r{i}", prompt, params)
+    done, deltas, step = {}, {}, 0
+    while engine.has_unfinished_requests() or add_later:
+        if add_later and step in add_later:
+            prompt, params = add_later.pop(step)
+            engine.add_request("late", prompt, params)
+        step += 1
+        for out in engine.step():
+            text, ids = deltas.setdefault(out.request_id, ([], []))
+            text.append(out.delta_text)
+            ids.extend(out.delta_token_ids)
+            if out.finished:
+                done[out.request_id] = out
+    return done, deltas, (engine.stats["steps"] - forward_steps, step)
+
+
+def prompts(llm, n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    topics = ["the sea", "a hash map", "prime numbers", "recursion", "the moon", "Python", "a red bicycle"]
+    return [llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Tell me about {rng.choice(topics)}."}])
+            for _ in range(n)]
+
+
+def test_bursts_give_single_steps_tokens_texts_and_stops(llm, fresh_seed):
+    texts = prompts(llm, 4, fresh_seed)
+    probe, _, _ = run(llm, [(texts[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))], burst=1)
+    stop_token = probe["r0"].token_ids[5]  # a token the first request chooses mid-burst
+    requests = [(texts[0], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token])),
+                (texts[1], SamplingParams(max_tokens=3, temperature=0)),
+                (texts[2], SamplingParams(max_tokens=40, temperature=0, stop=[" the", " a "])),
+                (texts[3], SamplingParams(max_tokens=30, temperature=0))]
+    single, single_deltas, single_steps = run(llm, requests, burst=1)
+    burst, burst_deltas, burst_steps = run(llm, requests, burst=8)
+    for rid, want in single.items():
+        got = burst[rid]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
+        assert "".join(burst_deltas[rid][0]) == got.text and burst_deltas[rid][1] == got.token_ids
+        assert "".join(single_deltas[rid][0]) == want.text
+    assert single["r0"].finish_reason == "stop" and single["r0"].token_ids[-1] == stop_token
+    assert len(single["r0"].token_ids) <= 6  # it stopped inside what would be one burst
+    assert single["r1"].finish_reason == "length" and len(single["r1"].token_ids) == 3
+    # bursts ran: the same forward steps in fewer engine steps
+    assert single_steps[0] == single_steps[1] and burst_steps[1] < burst_steps[0], (single_steps, burst_steps)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks  # nothing leaked
+
+
+def test_no_burst_where_a_request_needs_the_sampler_or_one_waits(llm, fresh_seed):
+    texts = prompts(llm, 3, fresh_seed)
+    greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for other in (SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
+                  SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2),
+                  SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
+                  SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logit_bias={11: 5.0})):
+        single, _, _ = run(llm, [(texts[0], greedy), (texts[1], other)], burst=1)
+        burst, _, (forward_steps, engine_steps) = run(llm, [(texts[0], greedy), (texts[1], other)], burst=8)
+        assert forward_steps == engine_steps, other  # one forward step an engine step throughout
+        assert [o.token_ids for o in burst.values()] == [o.token_ids for o in single.values()]
+    # a request waiting to join (the batch is full): the one running steps a token at a time
+    engine = llm.engine
+    engine.config.decode_burst = 8
+    engine.add_request("a", texts[0], greedy)
+    engine.step()  # its prompt
+    engine.scheduler.max_num_seqs, keep = 1, engine.scheduler.max_num_seqs
+    try:
+        engine.add_request("b", texts[1], greedy)  # waits: the batch is full
+        before = engine.stats["steps"]
+        engine.step()
+        assert engine.scheduler.waiting and engine.stats["steps"] == before + 1  # no burst while it waits
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        engine.scheduler.max_num_seqs = keep
+
+
+def test_non_finite_logits_inside_a_burst_fail_that_request_alone(llm, fresh_seed, monkeypatch):
+    """Row 0's logits turn NaN while both requests decode: the burst stops before that step, the step runs alone,
+    the sampler fails the first request and the second goes on to the tokens it gets without the fault."""
+    texts = prompts(llm, 2, fresh_seed)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    clean, _, _ = run(llm, [(texts[0], params), (texts[1], params)], burst=8)
+    engine = llm.engine
+    model = engine.model
+    real = model.compute_logits
+    poisoned = {"calls": 0}  # calls left whose row 0 turns NaN
+
+    def compute_logits(hidden):
+        logits = real(hidden)
+        if poisoned["calls"]:
+            poisoned["calls"] -= 1
+            logits[0] = float("nan")
+        return logits
+
+    monkeypatch.setattr(model, "compute_logits", compute_logits)
+    engine.config.decode_burst = 8
+    engine.add_request("bad", texts[0], params)
+    engine.add_request("good", texts[1], params)
+    outs = {o.request_id: o for o in engine.step()}  # both prompts: a token each
+    assert set(outs) == {"bad", "good"} and not any(o.finished for o in outs.values())
+    poisoned["calls"] = 2  # the burst's first step, then the same step run alone
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert outs["bad"].finish_reason == "error" and "not finite" in outs["bad"].error
+    assert outs["good"].finish_reason == "length" and outs["good"].token_ids == clean["r1"].token_ids
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
