@@ -100,34 +100,33 @@ def test_no_burst_where_a_request_needs_the_sampler_or_one_waits(llm, fresh_seed
         engine.scheduler.max_num_seqs = keep
 
 
-def test_non_finite_logits_inside_a_burst_fail_that_request_alone(llm, fresh_seed, monkeypatch):
-    """Row 0's logits turn NaN while both requests decode: the burst stops before that step, the step runs alone,
-    the sampler fails the first request and the second goes on to the tokens it gets without the fault."""
+def test_non_finite_logits_inside_a_burst_fail_that_request_alone(llm, fresh_seed):
+    """The first request's cached values turn NaN while both decode (a corrupted cache: every logit of its row is
+    NaN from then on): the burst stops before that step, the step runs alone, the sampler fails that request and the
+    other goes on to the tokens it gets without the fault."""
     texts = prompts(llm, 2, fresh_seed)
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     clean, _, _ = run(llm, [(texts[0], params), (texts[1], params)], burst=8)
     engine = llm.engine
-    model = engine.model
-    real = model.compute_logits
-    poisoned = {"calls": 0}  # calls left whose row 0 turns NaN
-
-    def compute_logits(hidden):
-        logits = real(hidden)
-        if poisoned["calls"]:
-            poisoned["calls"] -= 1
-            logits[0] = float("nan")
-        return logits
-
-    monkeypatch.setattr(model, "compute_logits", compute_logits)
     engine.config.decode_burst = 8
     engine.add_request("bad", texts[0], params)
     engine.add_request("good", texts[1], params)
     outs = {o.request_id: o for o in engine.step()}  # both prompts: a token each
     assert set(outs) == {"bad", "good"} and not any(o.finished for o in outs.values())
-    poisoned["calls"] = 2  # the burst's first step, then the same step run alone
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            outs[o.request_id] = o
+    bad = next(s for s in engine.scheduler.running if s.request_id == "bad")
+    last, bs = bad.num_computed_tokens - 1, engine.config.block_size  # its last cached token (its own block)
+    values = engine.runner.kv_cache[0, 1, bad.block_table[last // bs], last % bs]  # layer 0's values there
+    kept = values.clone()
+    values.fill_(float("nan"))
+    forward_steps, engine_steps = engine.stats["steps"], 0
+    try:
+        while engine.has_unfinished_requests():
+            engine_steps += 1
+            for o in engine.step():
+                outs[o.request_id] = o
+    finally:
+        values.copy_(kept)  # its block may stay in the prefix cache
     assert outs["bad"].finish_reason == "error" and "not finite" in outs["bad"].error
     assert outs["good"].finish_reason == "length" and outs["good"].token_ids == clean["r1"].token_ids
+    assert engine_steps < engine.stats["steps"] - forward_steps  # the rest of "good" ran in bursts
     assert engine.block_manager.num_free_blocks == engine.num_blocks

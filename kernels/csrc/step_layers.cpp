@@ -11,10 +11,12 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -258,6 +260,90 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, const StepWei
   return h;
 }
 
+// Row r of float32 logits [rows, vocab]: the index of its first largest value, or -1 where a value is NaN or the
+// largest is infinite (the sampler's numpy argmax picks the same index; a row it would find not finite gets -1)
+int64_t finite_argmax(const float* row, int64_t vocab) {
+  float best = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+  for (int64_t i = 0; i < vocab; ++i) {  // vectorized: a max and a NaN flag over the row
+    const float v = row[i];
+    nan |= v != v;
+    best = v > best ? v : best;
+  }
+  if (nan || !std::isfinite(best)) return -1;
+  for (int64_t i = 0; i < vocab; ++i)
+    if (row[i] == best) return i;
+  return -1;
+}
+
+// Up to `steps` decode steps of a batch of decodes back to back, each row's next input its own argmax: the engine's
+// decode bursts (runtime/engine/engine.py). A step embeds each row's token, runs step_layers, the model's final
+// norm and its LM head (float32 logits, the bfloat16 column blocks' or AMX tiles'), then takes each row's argmax
+// (finite_argmax). Each row r's first step is at position first_positions[r], its blocks (every step's) in
+// block_tables; stops[r]: its stop tokens. Ends after a step where a row chose one of its stops, and before a step
+// where a row's logits are not finite. Returns the steps' tokens, [steps done, rows] int64.
+torch::Tensor decode_steps(torch::Tensor tokens, torch::Tensor first_positions, const StepWeights& step_weights,
+                           torch::Tensor kv_cache, torch::Tensor block_tables, torch::Tensor cos, torch::Tensor sin,
+                           torch::Tensor embedding, torch::Tensor norm_weight, torch::Tensor head, int64_t vocab,
+                           std::vector<std::vector<int64_t>> stops, int64_t steps, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, int64_t intermediate, double eps) {
+  const int64_t rows = tokens.numel(), block_size = kv_cache.size(3);
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && first_positions.scalar_type() == at::kLong &&
+                  first_positions.numel() == rows && block_tables.scalar_type() == at::kLong &&
+                  block_tables.dim() == 2 && block_tables.size(0) == rows && block_tables.is_contiguous() &&
+                  static_cast<int64_t>(stops.size()) == rows,
+              "decode_steps: tokens, first_positions, block_tables (int64) and stops must have a row each");
+  TORCH_CHECK(embedding.dim() == 2 && embedding.scalar_type() == at::kBFloat16 && embedding.size(0) >= vocab,
+              "decode_steps: embedding must be a bfloat16 [vocab, hidden] table");
+  const auto* first = first_positions.data_ptr<int64_t>();
+  const auto* table = block_tables.data_ptr<int64_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK(first[r] >= 0 && first[r] + steps <= width * block_size,
+                "decode_steps: row ", r, "'s blocks do not hold its ", steps, " steps");
+  const auto longs = tokens.options();
+  torch::Tensor ids = tokens.clone(), positions = torch::empty({rows}, longs), slots = torch::empty({rows}, longs);
+  torch::Tensor lens = torch::empty({rows}, longs), decode_rows = torch::arange(rows, longs);
+  const torch::Tensor none = torch::empty({0}, longs), no_tables = torch::empty({0, 0}, longs);
+  const torch::Tensor no_windows = torch::empty({0}, longs.dtype(at::kBool));
+  std::vector<int64_t> out;
+  for (int64_t done = 0; done < steps; ++done) {
+    auto* pos = positions.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      pos[r] = first[r] + done;
+      slots.data_ptr<int64_t>()[r] = table[r * width + pos[r] / block_size] * block_size + pos[r] % block_size;
+      lens.data_ptr<int64_t>()[r] = pos[r] + 1;
+    }
+    torch::Tensor x = embedding.index_select(0, ids);
+    torch::Tensor residual = torch::empty_like(x);
+    torch::Tensor h = step_layers(x, residual, step_weights, kv_cache, slots, positions, cos, sin, none, none, none,
+                                  no_tables, decode_rows, block_tables, lens, none, no_windows, false, heads, kv_heads,
+                                  head_dim, intermediate, eps);
+    layer_ops::add_rms_norm_(h, residual, norm_weight, eps);
+    torch::Tensor logits;
+    if (head.dim() == 4 && head.size(3) != 2) {
+#ifdef INFER_STEP_AMX
+      logits = amx::amx_linear(h, head, c10::nullopt, true);
+#else
+      TORCH_CHECK(false, "decode_steps: an AMX-packed LM head, but this build has no AMX (kernels/step_layers.py)");
+#endif
+    } else {
+      logits = linear::bf16_linear(h, head, vocab, c10::nullopt, true);
+    }
+    std::vector<int64_t> chosen(rows);
+    for (int64_t r = 0; r < rows; ++r) chosen[r] = finite_argmax(logits.data_ptr<float>() + r * vocab, vocab);
+    if (std::find(chosen.begin(), chosen.end(), -1) != chosen.end()) break;
+    out.insert(out.end(), chosen.begin(), chosen.end());
+    std::memcpy(ids.data_ptr<int64_t>(), chosen.data(), rows * sizeof(int64_t));
+    bool stop = false;
+    for (int64_t r = 0; r < rows; ++r)
+      stop |= std::find(stops[r].begin(), stops[r].end(), chosen[r]) != stops[r].end();
+    if (stop) break;
+  }
+  return torch::from_blob(out.data(), {static_cast<int64_t>(out.size()) / std::max<int64_t>(rows, 1), rows}, longs)
+      .clone();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: each class's build of this file (kernels/isa.py) registers its own, so two load in one process
   py::class_<StepWeights>(m, "StepWeights", py::module_local(),
@@ -266,6 +352,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("__len__", [](const StepWeights& w) { return w.tensors.size(); });
   // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
   m.def("step_layers", &step_layers, "every decoder layer of a step: prompt chunks and decodes (CPU, bfloat16)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_steps", &decode_steps, "decode steps back to back, each row's next token its argmax (CPU, bfloat16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("available", [] { return linear::available(); }, "whether the column-block linears are built in");
   m.def("has_chunk_attention", [] { return chunk::available(); },

@@ -19,14 +19,12 @@ import math
 import time
 from dataclasses import dataclass, fields, replace
 
-import numpy as np
 import torch
 
 from infer.kernels.cpu_attention import block_shape
 from infer.kernels.cuda_graphs import DEFAULT_BUCKETS, DecodeInputs, GraphRunner, buckets_up_to
 
 from .attention import PagedAttention, PrefillChunk
-from .sampler import host_row_max
 from .plan import ONE_CALL, kv_cache_dtype, make_plan, sliding_window
 from ..model import Transformer
 from .scheduler import ScheduledBatch
@@ -262,42 +260,25 @@ class ModelRunner:
 
     def bursts(self, rows: int) -> bool:
         """Whether a decode-only step of ``rows`` rows may run as a burst (run_burst): on the CPU, on the one-call
-        C++ step with the paged decode kernel, without sliding-window layers (whose blocks slide every step)."""
-        return (self.device.type == "cpu" and self.graphs is None and self.window is None
-                and getattr(self.model, "fused_step", None) is not None
-                and self.plan.decode_on_kernel(rows) and self.plan.route(0, rows) == (ONE_CALL,))
+        C++ step with the paged decode kernel and an LM head it runs too (FusedStep.bursts), without sliding-window
+        layers (whose blocks slide every step)."""
+        fused = getattr(self.model, "fused_step", None)
+        return (self.device.type == "cpu" and self.graphs is None and self.window is None and fused is not None
+                and fused.bursts and self.plan.decode_on_kernel(rows) and self.plan.route(0, rows) == (ONE_CALL,))
 
     @torch.inference_mode()
     def run_burst(self, seqs: list[Sequence], steps: int, stops: list[set[int]]) -> list[list[int]]:
-        """Up to ``steps`` decode steps of ``seqs`` back to back, each row's next input its own argmax, with nothing
-        between them but the model, its LM head and the argmax (row_max, the greedy sampler's choice): the tokens of
-        each step, a list a step with a token a sequence. Every sequence decodes (its last token not yet in the
-        cache), samples greedily with nothing moving its argmax, and has blocks for ``steps`` tokens (the
-        scheduler's reserve). Ends early after a step where a row chose one of its ``stops``, and before one where
-        a row's logits are not finite (that step's tokens are not returned: the engine's sampler reports the
-        row). The logits are float32 on the CPU (Transformer.compute_logits), read in numpy as the sampler does."""
-        bs, rows = self.block_size, len(seqs)
-        self._threads(rows)
-        tables = _padded([s.block_table for s in seqs])
-        firsts = [s.num_computed_tokens for s in seqs]
-        tokens = [s.token_ids[-1] for s in seqs]
-        decode_rows = list(range(rows))
-        out = []
-        for j in range(steps):
-            positions = [p + j for p in firsts]
-            slots = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
-            flat = torch.tensor(tokens + positions + slots + decode_rows + [p + 1 for p in positions], dtype=torch.long)
-            ctx = PagedAttention(self.kv_cache, bs, flat[2 * rows:3 * rows], [], flat[3 * rows:4 * rows], tables,
-                                 flat[4 * rows:], self.decode_kernel, self.store_kv, self.chunk_kernel, one_call=True)
-            logits = self.model.compute_logits(self.model(flat[:rows], flat[rows:2 * rows], ctx))
-            best, chosen = host_row_max(logits.numpy())
-            if not np.isfinite(best).all():
-                break
-            tokens = chosen.tolist()
-            out.append(tokens)
-            if any(t in stop for t, stop in zip(tokens, stops)):
-                break
-        return out
+        """Up to ``steps`` decode steps of ``seqs`` back to back in one C++ call (FusedStep.burst), each row's next
+        input its own argmax (the greedy sampler's choice), with nothing between the steps but the model, its LM
+        head and the argmax: the tokens of each step, a list a step with a token a sequence. Every sequence decodes
+        (its last token not yet in the cache), samples greedily with nothing moving its argmax, and has blocks for
+        ``steps`` tokens (the scheduler's reserve). Ends early after a step where a row chose one of its ``stops``,
+        and before one where a row's logits are not finite (that step's tokens are not returned: the engine's
+        sampler reports the row)."""
+        self._threads(len(seqs))
+        return self.model.fused_step.burst(self.kv_cache, [s.token_ids[-1] for s in seqs],
+                                           [s.num_computed_tokens for s in seqs], _padded([s.block_table for s in seqs]),
+                                           [sorted(stop) for stop in stops], steps)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:

@@ -157,7 +157,7 @@ def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch's max over the last dimension took ~44 us and ~1 ms (torch 2.13, Zen 5), every step."""
     if not _numpy_route(logits):
         return logits.max(-1)
-    best, chosen = host_row_max(logits.numpy())
+    best, chosen = _host_row_max(logits.numpy())
     return torch.from_numpy(best), torch.from_numpy(chosen)
 
 
@@ -166,7 +166,7 @@ def _numpy_route(logits: torch.Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32
 
 
-def host_row_max(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _host_row_max(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """row_max on a [B, vocab] array: each row's first largest value (NaN the largest) and its index."""
     chosen = values.argmax(-1)
     return values[np.arange(values.shape[0]), chosen], chosen
@@ -177,8 +177,8 @@ def _greedy_on_host(raw: torch.Tensor, logits: torch.Tensor, constrained: bool) 
     CPU: the same choices (numpy's argmax, as row_max) computed in numpy on the logits' own memory. The general
     path's seven small torch ops (a gather, comparisons, a stack, ...) took ~0.3 ms of a batch-1 step on a Zen 5,
     their code and data just pushed out of the caches by the step's stream of weights."""
-    best, chosen = host_row_max(logits.numpy())
-    broken = ~np.isfinite(host_row_max(raw.numpy())[0] if constrained else best)
+    best, chosen = _host_row_max(logits.numpy())
+    broken = ~np.isfinite(_host_row_max(raw.numpy())[0] if constrained else best)
     invalid = (best == -np.inf) & ~broken if constrained else np.zeros_like(broken)
     return chosen.tolist(), broken.tolist(), invalid.tolist()
 

@@ -53,6 +53,14 @@ class FusedStep:
                 weights += slots(linear)
         # handed to C++ once: a list would be converted tensor by tensor on every step
         self.weights = self.module.StepWeights(weights)
+        # decode bursts (burst): the embedding table, the final norm and an LM head whose kernel keeps float32 sums
+        self.embedding, self.norm, self.vocab = model.embed_tokens.weight, model.norm, cfg.vocab_size
+        from .packed_linear import PackedLinear
+
+        head = model.lm_head
+        self.head = (head.packed_weight if type(head) is PackedLinear and head.kernel in ("blocks", "amx")
+                     and head.bias is None and model.norm.ops is not None and model.embed_scale is None
+                     and not cfg.final_softcap else None)
 
     @staticmethod
     def fits(model) -> bool:
@@ -123,6 +131,24 @@ class FusedStep:
                                       ctx.decode_lens, self._starts(ctx), self.window_layers, self.amx_chunks, heads,
                                       kv_heads, head_dim, intermediate, eps)
         return out, residual
+
+    @property
+    def bursts(self) -> bool:
+        """Whether ``burst`` runs this model: its LM head on the bfloat16 column blocks or AMX tiles (float32 sums),
+        no bias, embedding scale or logit soft-cap between the layers and the argmax."""
+        return self.head is not None
+
+    def burst(self, kv_cache: torch.Tensor, tokens: list[int], first_positions: list[int], block_tables: torch.Tensor,
+              stops: list[list[int]], steps: int) -> list[list[int]]:
+        """Up to ``steps`` decode steps of these rows back to back, each row's next token its argmax, in one C++ call
+        (kernels/csrc/step_layers.cpp decode_steps): the tokens a step."""
+        heads, kv_heads, head_dim, intermediate, eps = self.dims
+        out = self.module.decode_steps(torch.tensor(tokens, dtype=torch.long),
+                                       torch.tensor(first_positions, dtype=torch.long), self.weights, kv_cache,
+                                       block_tables, self.rotary.cos, self.rotary.sin, self.embedding, self.norm.weight,
+                                       self.head, self.vocab, stops, steps, heads, kv_heads, head_dim, intermediate,
+                                       self.norm.eps)
+        return out.tolist()
 
     def _starts(self, ctx) -> torch.Tensor:
         """The decode rows' window starts, or an empty tensor for a model without sliding layers."""
