@@ -438,10 +438,11 @@ class LLMEngine:
         would differ between them: no request waiting to join, no speculation, and every sequence greedy with
         nothing that moves or reads its logits but the argmax (no penalties, bias, allowed tokens, grammar or
         logprobs). Between single steps, the scheduler, the sampler and output processing cost a batch-1 step of
-        the embedded model ~0.5 ms (W4A16: 4.35 against 3.76 ms a token, Zen 5), each after the step's weights
-        have pushed their code and data out of the caches. The tokens are the steps' own (same kernels, same
-        argmax) and go through the same stop checks, one at a time; a sequence that stops ends the burst after
-        that step. None: the step runs as one step (also when the burst computed nothing to keep)."""
+        the embedded model 0.5-0.8 ms, run after the step's weights have pushed their code and data out of the
+        caches (bursts: W4A16 3.40 against 3.87 ms a token, bfloat16 8.75 against 9.54, Zen 5; docs/serving.md).
+        The tokens are the steps' own (same kernels, same argmax) and go through the same stop checks, one at a
+        time; a sequence that stops ends the burst after that step. None: the step runs as one step (also when
+        the burst computed nothing to keep)."""
         seqs = batch.seqs
         if (self.config.decode_burst < 2 or self.proposer is not None or self.scheduler.waiting
                 or not all(n == 1 and s.runs_as_decode(1) and not s.spec.draft for s, n in zip(seqs, batch.num_tokens))
