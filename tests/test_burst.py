@@ -10,6 +10,15 @@ import random
 import pytest
 
 from infer.runtime import LLM, SamplingParams
+from infer.runtime.engine import engine as engine_module
+
+
+@pytest.fixture(autouse=True)
+def no_time_cap(monkeypatch):
+    """Bursts as long as decode_burst allows, whatever this machine's step time: the time cap (BURST_SECONDS at the
+    measured step time) would make how many steps a burst runs depend on the load; test_the_time_cap_bounds_a_burst
+    covers it."""
+    monkeypatch.setattr(engine_module, "BURST_SECONDS", 3600.0)
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +66,18 @@ def test_bursts_give_single_steps_tokens_texts_and_stops(llm, fresh_seed):
                 (texts[1], SamplingParams(max_tokens=3, temperature=0)),
                 (texts[2], SamplingParams(max_tokens=40, temperature=0, stop=[" the", " a "])),
                 (texts[3], SamplingParams(max_tokens=30, temperature=0))]
-    single, single_deltas, single_steps = run(llm, requests, burst=1)
-    burst, burst_deltas, burst_steps = run(llm, requests, burst=8)
+    served = llm.engine.scheduler.served  # tokens charged to tenants (fair share)
+
+    def computed(outs) -> int:  # each step's tokens: the prompt's uncached ones, then one a decode step
+        return sum(len(o.prompt_token_ids) - o.num_cached_tokens + len(o.token_ids) - 1 for o in outs.values())
+
+    for burst_size in (1, 8):
+        before = sum(served.values())
+        outs, deltas, steps = run(llm, requests, burst=burst_size)
+        assert sum(served.values()) - before == pytest.approx(computed(outs))  # a burst charges the tokens it made
+        if burst_size == 1:
+            single, single_deltas, single_steps = outs, deltas, steps
+    burst, burst_deltas, burst_steps = outs, deltas, steps
     for rid, want in single.items():
         got = burst[rid]
         assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
@@ -130,3 +149,28 @@ def test_non_finite_logits_inside_a_burst_fail_that_request_alone(llm, fresh_see
     assert outs["good"].finish_reason == "length" and outs["good"].token_ids == clean["r1"].token_ids
     assert engine_steps < engine.stats["steps"] - forward_steps  # the rest of "good" ran in bursts
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+def test_the_time_cap_bounds_a_burst(llm, fresh_seed, monkeypatch):
+    """A burst runs at most BURST_SECONDS at the measured decode step time: with none to spare, every step runs alone;
+    with room for three steps, bursts of at most three."""
+    texts = prompts(llm, 1, fresh_seed)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    run(llm, [(texts[0], params)], burst=1)  # the scheduler has measured decode steps
+    step_s = llm.engine.scheduler.step_cost.decode_s
+    assert step_s
+    monkeypatch.setattr(engine_module, "BURST_SECONDS", 0.0)
+    _, _, (forward_steps, engine_steps) = run(llm, [(texts[0], params)], burst=8)
+    assert forward_steps == engine_steps
+    monkeypatch.setattr(engine_module, "BURST_SECONDS", 3.5 * step_s)
+    llm.engine.scheduler.step_cost.decode_s = step_s
+    engine = llm.engine
+    engine.config.decode_burst = 8
+    engine.add_request("capped", texts[0], params)
+    most = 0
+    while engine.has_unfinished_requests():
+        before = engine.stats["steps"]
+        engine.scheduler.step_cost.decode_s = step_s  # as measured: the cap is 3 steps
+        engine.step()
+        most = max(most, engine.stats["steps"] - before)
+    assert most == 3

@@ -470,7 +470,9 @@ class LLMEngine:
         for r, seq in enumerate(seqs):
             req = self.requests[seq.request_id]
             try:
-                for step in tokens:
+                for made, step in enumerate(tokens):
+                    if made:  # the scheduler charged this step's first token
+                        self.scheduler.charge(seq, 1)
                     seq.num_computed_tokens += 1  # the token this step read is in the cache now
                     self.block_manager.register_full_blocks(seq)
                     self._append(seq, step[r], None, now, output=False)

@@ -163,7 +163,8 @@ class Scheduler:
                 cap = min(cap, within) if cap else within
         return cap
 
-    def _charge(self, seq: Sequence, n: int) -> None:
+    def charge(self, seq: Sequence, n: int) -> None:
+        """Counts ``n`` tokens of ``seq`` as served to its tenant (fair share; the engine adds a burst's)."""
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + n / self.fairness.weights.get(seq.tenant, 1.0)
 
     def _yield_to(self) -> tuple[int, float, str] | None:
@@ -213,13 +214,12 @@ class Scheduler:
 
     def reserve(self, seqs: list[Sequence], extra: int) -> bool:
         """Room for ``extra`` more tokens of each scheduled decode beyond this step's one (a decode burst,
-        runtime/engine/engine.py): the blocks for all of them, charged to their tenants as their steps would be,
-        or nothing at all (False) where the free blocks fall short; never preempts."""
+        runtime/engine/engine.py): the blocks for all of them, or nothing at all (False) where the free blocks
+        fall short; never preempts. The engine charges the tokens the burst made (``charge``)."""
         if sum(self.bm.blocks_needed(s, s.num_uncomputed_tokens + extra) for s in seqs) > self.bm.num_free_blocks:
             return False
         for s in seqs:
             self.bm.allocate(s, s.num_uncomputed_tokens + extra)
-            self._charge(s, extra)
         return True
 
     def finish(self, seq: Sequence) -> None:
@@ -288,7 +288,7 @@ class Scheduler:
             counts.append(n)
             budget -= n
             prompt_tokens += n if n > 1 else 0
-            self._charge(seq, n)
+            self.charge(seq, n)
             i += 1
 
         # then waiting sequences: by priority, then fair share, then arrival (preempted ones were put back
@@ -341,6 +341,6 @@ class Scheduler:
             counts.append(n)
             budget -= n
             prompt_tokens += n
-            self._charge(seq, n)
+            self.charge(seq, n)
         self.waiting.extendleft(reversed(deferred))  # keep their place in line
         return ScheduledBatch(seqs, counts, preempted)
