@@ -147,7 +147,7 @@ class FusedStep:
                                        torch.tensor(first_positions, dtype=torch.long), self.weights, kv_cache,
                                        block_tables, self.rotary.cos, self.rotary.sin, self.embedding, self.norm.weight,
                                        self.head, self.vocab, stops, steps, heads, kv_heads, head_dim, intermediate,
-                                       self.norm.eps)
+                                       eps)
         return out.tolist()
 
     def _starts(self, ctx) -> torch.Tensor:
