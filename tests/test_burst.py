@@ -27,20 +27,16 @@ def llm(embedded_artifact):
     return LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=32 << 20, tuning="off")
 
 
-def run(llm, requests: list[tuple[str, SamplingParams]], burst: int, add_later: dict | None = None):
+def run(llm, requests: list[tuple[str, SamplingParams]], burst: int):
     """Steps the engine to the end with ``decode_burst=burst``: (final output, streamed delta texts and token ids) by
-    request, and how many forward steps ran in how many engine steps (a burst is one engine step of several).
-    ``add_later``: {step number: (prompt, params)} added before that step."""
+    request, and how many forward steps ran in how many engine steps (a burst is one engine step of several)."""
     engine = llm.engine
     engine.config.decode_burst = burst
     forward_steps = engine.stats["steps"]
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, params)
     done, deltas, step = {}, {}, 0
-    while engine.has_unfinished_requests() or add_later:
-        if add_later and step in add_later:
-            prompt, params = add_later.pop(step)
-            engine.add_request("late", prompt, params)
+    while engine.has_unfinished_requests():
         step += 1
         for out in engine.step():
             text, ids = deltas.setdefault(out.request_id, ([], []))

@@ -444,9 +444,11 @@ class LLMEngine:
         time; a sequence that stops ends the burst after that step. None: the step runs as one step (also when
         the burst computed nothing to keep)."""
         seqs = batch.seqs
+        # without a proposer no sequence holds a draft; a sampled row, the common refusal, is checked first
         if (self.config.decode_burst < 2 or self.proposer is not None or self.scheduler.waiting
-                or not all(n == 1 and s.runs_as_decode(1) and not s.spec.draft for s, n in zip(seqs, batch.num_tokens))
-                or not all(self._bursts(s) for s in seqs) or not self.runner.bursts(len(seqs))):
+                or not all(self._bursts(s) for s in seqs)
+                or not all(n == 1 and s.runs_as_decode(1) for s, n in zip(seqs, batch.num_tokens))
+                or not self.runner.bursts(len(seqs))):
             return None
         # a request arriving meanwhile waits for the burst to end: at most BURST_SECONDS at the measured step time
         step_s = self.scheduler.step_cost.decode_s
@@ -464,7 +466,7 @@ class LLMEngine:
             tokens = []
         if not tokens:
             return None
-        t_sample = self._sampled_at = time.perf_counter()
+        t_sample = time.perf_counter()
         self.stats["steps"] += len(tokens)
         now, outputs = time.monotonic(), []
         for r, seq in enumerate(seqs):
