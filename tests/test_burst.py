@@ -170,3 +170,9 @@ def test_the_time_cap_bounds_a_burst(llm, fresh_seed, monkeypatch):
         engine.step()
         most = max(most, engine.stats["steps"] - before)
     assert most == 3
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5])
+def test_a_bad_decode_burst_is_refused_by_name(embedded_artifact, bad):
+    with pytest.raises(ValueError, match="decode_burst"):
+        LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=16 << 20, decode_burst=bad)

@@ -198,6 +198,8 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.artifact.path, self.artifact.config)
         if cfg.dtype is not None and cfg.dtype not in _DTYPES:
             raise ValueError(f"dtype={cfg.dtype!r}: choose one of {', '.join(_DTYPES)}")
+        if not isinstance(cfg.decode_burst, int) or cfg.decode_burst < 1:
+            raise ValueError(f"decode_burst={cfg.decode_burst!r}: the most decode steps a burst runs, at least 1 (1: off)")
         dtype = _DTYPES.get(cfg.dtype) if cfg.dtype else None
         mcfg = ModelConfig.from_hf(self.artifact.config)
         # the dtype the model will run in decides the kernels; load_model settles the artifact's default
