@@ -295,11 +295,12 @@ template <typename T>
 inline void prefetch_row(const T* row, int64_t n) {
   const auto first = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63};
   const auto last = reinterpret_cast<uintptr_t>(row + n) - 1;
-  for (uintptr_t line = first; line <= last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+  for (uintptr_t line = first; line <= last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
 }
 
 // One (sequence, KV head) task with the head count per KV head (G) and head_dim / kVec (D) known at
 // compile time, so the queries and the output accumulators live in registers for the whole task.
+constexpr int64_t kAheadBlocks = 2;
 template <typename T, int G, int D>
 void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
                 int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
@@ -309,7 +310,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) q[g][d] = vload(qf + g * D * kVec + d * kVec);
   for (int64_t t = 0; t < len; ++t) {
     const T* k = k_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
-    if (t + block_size < len) prefetch_row(k_cache + table[t / block_size + 1] * block_stride + (t % block_size) * token_stride + kv_offset, D * kVec);
+    if (t + kAheadBlocks * block_size < len) prefetch_row(k_cache + table[t / block_size + kAheadBlocks] * block_stride + (t % block_size) * token_stride + kv_offset, D * kVec);
     vecf kr[D];
     for (int d = 0; d < D; ++d) kr[d] = vload_row(k + d * kVec);
     for (int g = 0; g < G; ++g) {
@@ -325,7 +326,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) acc[g][d] = vzero();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = v_cache + table[t / block_size] * block_stride + (t % block_size) * token_stride + kv_offset;
-    if (t + block_size < len) prefetch_row(v_cache + table[t / block_size + 1] * block_stride + (t % block_size) * token_stride + kv_offset, D * kVec);
+    if (t + kAheadBlocks * block_size < len) prefetch_row(v_cache + table[t / block_size + kAheadBlocks] * block_stride + (t % block_size) * token_stride + kv_offset, D * kVec);
     vecf vr[D];
     for (int d = 0; d < D; ++d) vr[d] = vload_row(v + d * kVec);
     for (int g = 0; g < G; ++g) {
@@ -555,8 +556,21 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
     for (int c = 0; c < KD; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q[g] + 32 * c);
   const __m512 sc = _mm512_set1_ps(scale);
   TokenRows keys{k_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size, t0 % block_size};
+  // the span's rows, keys then values, asked for kAheadRows ahead of their use: a head's 64 * KD bytes of a
+  // token lie between the other heads' (token_stride apart), which the hardware's prefetchers follow too slowly
+  TokenRows ahead_k = keys, ahead_v{v_cache, table, block_size, block_stride, token_stride, kv_offset,
+                                    t0 / block_size, t0 % block_size};
+  int64_t asked = 0;  // rows asked for so far, of the span's 2 * len
+  const auto ask = [&](int64_t upto) {
+    for (upto = std::min(upto, 2 * len); asked < upto; ++asked) {
+      const char* row = reinterpret_cast<const char*>(asked < len ? ahead_k.next() : ahead_v.next());
+      for (int c = 0; c < KD; ++c) _mm_prefetch(row + 64 * c, _MM_HINT_T1);
+    }
+  };
+  constexpr int64_t kAheadRows = 48;
   for (int64_t i0 = 0; i0 < len; i0 += 16) {
     const int64_t n = std::min<int64_t>(16, len - i0);
+    ask(i0 + 16 + kAheadRows);
     const uint16_t* rows[16];
     for (int64_t i = 0; i < n; ++i) rows[i] = keys.next();
     const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
@@ -589,6 +603,7 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   TokenRows values{v_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size, t0 % block_size};
   for (int64_t t = 0; t < len; ++t) {
+    if (t % 8 == 0) ask(len + t + 8 + kAheadRows);
     const uint16_t* row = values.next();
     __m512 vr[2 * KD];
     for (int c = 0; c < KD; ++c) {
