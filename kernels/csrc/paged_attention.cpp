@@ -301,9 +301,12 @@ inline void prefetch_row(const T* row, int64_t n) {
   for (uintptr_t line = first; line <= last; line += 64) _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T1);
 }
 
+// How far ahead fixed_task asks for rows: the same token of the block this many blocks on (into L2; one block
+// read a cold cache 0.94x as fast on Zen 5 forced to avx512)
+constexpr int64_t kAheadBlocks = 2;
+
 // One (sequence, KV head) task with the head count per KV head (G) and head_dim / kVec (D) known at
 // compile time, so the queries and the output accumulators live in registers for the whole task.
-constexpr int64_t kAheadBlocks = 2;
 template <typename T, int G, int D>
 void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64_t* table, int64_t len,
                 int64_t skip, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t kv_offset, float* scores,
