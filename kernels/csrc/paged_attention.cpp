@@ -568,10 +568,8 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
                                     t0 / block_size, t0 % block_size};
   int64_t asked = 0;  // rows asked for so far, of the span's 2 * len
   const auto ask = [&](int64_t upto) {
-    for (upto = std::min(upto, 2 * len); asked < upto; ++asked) {
-      const char* row = reinterpret_cast<const char*>(asked < len ? ahead_k.next() : ahead_v.next());
-      for (int c = 0; c < KD; ++c) _mm_prefetch(row + 64 * c, _MM_HINT_T1);
-    }
+    for (upto = std::min(upto, 2 * len); asked < upto; ++asked)
+      prefetch_row(asked < len ? ahead_k.next() : ahead_v.next(), 32 * KD);
   };
   constexpr int64_t kAheadRows = 48;
   for (int64_t i0 = 0; i0 < len; i0 += 16) {
