@@ -3,8 +3,10 @@
 Per round, for each artifact: the read bandwidth (a 1 GiB ``sum``) and the arithmetic peak (a
 register-only loop of the instruction the class's linears multiply with, kernels/csrc/peak.cpp), then
 batch-1 decode (a 128-token prompt; N tokens minus 1 token, over N - 1) and the prefill of a fresh
-256-token prompt (prefix caching off; after one untimed prefill of another, as a running server has had). Decode is set against that round's bandwidth floor (the bytes
-a step reads / bandwidth), prefill against that round's peak, with
+256-token prompt (prefix caching off; after one untimed prefill of another, as a running server has had).
+Decode is set against the floor (the bytes a step reads / bandwidth) probed just before and just after it
+(bench/single.py's ``bracketed``: a decode whose two probes disagree by more than STEADY has no floor, and
+its round stays out of the median share), prefill against that round's peak, with
 
     FLOPs = 2 x decoder linear parameters x T + causal attention 2 x 2 x layers x heads x head_dim x T(T+1)/2
             + 2 x LM head parameters (the last token's logits only).
@@ -87,7 +89,7 @@ def main(argv=None) -> dict:
     from infer.kernels.extension import build
     from infer.runtime import LLM, SamplingParams
 
-    from .single import read_bandwidth, weight_bytes
+    from .single import bracketed, read_bandwidth, weight_bytes
     from .throughput import host_info, save_json
 
     peak_module = build("infer_peak", "peak.cpp", ["-fopenmp"])
@@ -99,7 +101,8 @@ def main(argv=None) -> dict:
         engines[artifact.name] = {"llm": llm, "config": config, "bytes": weight_bytes(artifact, "bfloat16"),
                                   "plan": llm.engine.plan.describe()}
     vocab = next(iter(engines.values()))["config"]["vocab_size"]
-    rows = {name: {"decode": [], "prefill": [], "floor_share": [], "peak_share": []} for name in engines}
+    rows = {name: {"decode": [], "prefill": [], "floor_share": [], "peak_share": [], "read_gb_s": [], "steady": []}
+            for name in engines}
     llama_rows = {"decode": [], "prefill": []}
     probes = {"read_gb_s": [], "peak_gflop_s": []}
     for r in range(args.rounds):
@@ -120,16 +123,20 @@ def main(argv=None) -> dict:
                 return time.perf_counter() - start
 
             timed(prompt, 2)  # warm: the first steps of a size allocate (and fault in) their buffers
-            one, many = timed(prompt, 1), timed(prompt, DECODE_TOKENS)
+            # the decode's floor probed just before and after it (bench/single.py, bracketed)
+            (one, many), around, steady = bracketed(lambda: (timed(prompt, 1), timed(prompt, DECODE_TOKENS)))
             decode = (DECODE_TOKENS - 1) / (many - one)
             timed(warm_prefill, 1)
             fill = PREFILL / timed(prefill, 1)
             row["decode"].append(decode)
             row["prefill"].append(fill)
-            row["floor_share"].append(decode / (bandwidth / e["bytes"]))
+            row["read_gb_s"].append(around / 1e9)
+            row["steady"].append(steady)
+            row["floor_share"].append(decode / (around / e["bytes"]))
             row["peak_share"].append(fill * flops_of_prefill(e["config"], PREFILL) / PREFILL / peak)
-            print(f"round {r + 1} {name}: decode {decode:.1f} tok/s ({row['floor_share'][-1]:.0%} of floor), "
-                  f"prefill {fill:.0f} tok/s ({row['peak_share'][-1]:.0%} of peak) | read {bandwidth / 1e9:.1f} GB/s, "
+            print(f"round {r + 1} {name}: decode {decode:.1f} tok/s ({row['floor_share'][-1]:.0%} of floor"
+                  f"{'' if steady else ': probes disagree, no floor'}), prefill {fill:.0f} tok/s "
+                  f"({row['peak_share'][-1]:.0%} of peak) | read {around / 1e9:.1f} GB/s around the decode, "
                   f"peak {peak / 1e9:.0f} GFLOP/s ({instruction})", flush=True)
         if args.llama_python and args.gguf:
             out = subprocess.run([str(args.llama_python), "-c", _LLAMA, str(args.gguf), str(threads), json.dumps(prompt),
@@ -143,12 +150,18 @@ def main(argv=None) -> dict:
     def summary(values: list[float]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
+    def steady_summary(row: dict) -> dict | None:
+        """The floor shares of the rounds whose decode had a steady floor (None: not one)."""
+        shares = [s for s, ok in zip(row["floor_share"], row["steady"]) if ok]
+        return summary(shares) if shares else None
+
     result = {"host": host_info(), "isa": isa.active(), "threads": threads, "instruction": instruction,
               "probes": {k: summary(v) for k, v in probes.items()},
               "prefill_tokens": PREFILL, "decode_tokens": DECODE_TOKENS, "prompt_tokens": PROMPT,
               "artifacts": {name: {"weight_bytes": e["bytes"], "plan": e["plan"],
                                    "prefill_flops": flops_of_prefill(e["config"], PREFILL),
-                                   **{k: summary(v) for k, v in rows[name].items()}}
+                                   **{k: summary(v) for k, v in rows[name].items() if k != "steady"},
+                                   "steady": rows[name]["steady"], "steady_floor_share": steady_summary(rows[name])}
                             for name, e in engines.items()},
               "command": " ".join([os.path.basename(sys.executable), "-m", "infer.bench.cpu_class", *(argv or sys.argv[1:])])}
     if llama_rows["decode"]:
@@ -157,7 +170,10 @@ def main(argv=None) -> dict:
           f"read {result['probes']['read_gb_s']['median']:.1f} GB/s, peak {result['probes']['peak_gflop_s']['median']:.0f} "
           f"GFLOP/s ({instruction})")
     for name, a in result["artifacts"].items():
-        print(f"{name:40s} decode {a['decode']['median']:6.1f} tok/s ({a['floor_share']['median']:.0%} of floor)  "
+        share = a["steady_floor_share"]
+        share = (f"{share['median']:.0%} of floor, {len(share['rounds'])} steady rounds" if share
+                 else "no steady round")
+        print(f"{name:40s} decode {a['decode']['median']:6.1f} tok/s ({share})  "
               f"prefill {a['prefill']['median']:6.0f} tok/s ({a['peak_share']['median']:.0%} of peak)  "
               f"linears {(a['plan'] or {}).get('linears')}")
     if "llama_cpp" in result:

@@ -1,5 +1,5 @@
 """Quantized schemes against bfloat16, speed only, same run: batch-1 decode and a 256-token prefill of each
-artifact, rounds interleaved, each round's bandwidth floor probed just before its engines run.
+artifact, rounds interleaved, each decode's bandwidth floor probed just before and just after it.
 
 Give artifacts built from the same bfloat16 model (``model.dtype=bfloat16``), so what each scheme leaves
 unquantized (the tied embedding / LM head) is 16-bit in all of them, e.g.
@@ -10,8 +10,9 @@ unquantized (the tied embedding / LM head) is 16-bit in all of them, e.g.
 Every artifact runs with ``dtype=bfloat16``. Decode: a request's time for N tokens minus its time for 1, over
 N - 1 tokens (a 16-token prompt). Prefill: a fresh ``--prompt-tokens`` prompt (prefix caching off) with one
 output token, prompt tokens over the request's time. The floor: bytes a batch-1 decode step reads (every
-tensor at its stored width, bench/single.py's ``weight_bytes``) over the read bandwidth of a large ``sum``;
-each scheme's share is its rate over its own floor, round by round. The table names, per scheme, the
+tensor at its stored width, bench/single.py's ``weight_bytes``) over the read bandwidth of a large ``sum``
+probed around that decode (``bracketed``); each scheme's share is the median of its rate over its own floor in
+the rounds whose two probes agree. The table names, per scheme, the
 kernels its linears ran on and whether its steps ran as one C++ call. ``--llama-cpp NAME=GGUF`` adds llama.cpp
 (llama-cpp-python, 2 threads, in the interpreter ``--llama-python`` names; a process a round) on GGUFs of the
 same model, in the same rounds: its floor is the GGUF's bytes (it stores the tied embedding at the file's type).
@@ -29,7 +30,7 @@ import torch
 
 from infer.runtime.artifact import CONFIG
 
-from .single import read_bandwidth, weight_bytes
+from .single import bracketed, steady_shares, weight_bytes
 from .throughput import RESULTS, make_requests, save_json
 
 
@@ -128,33 +129,38 @@ def main(argv=None) -> dict:
     names = [*engines, *peers]
     decode = {n: [] for n in names}
     prefill = {n: [] for n in names}
-    bandwidths = []
+    bandwidths = {n: [] for n in names}  # probed just before and after each one's decode (single.bracketed)
+    steady = {n: [] for n in names}
     for r in range(args.rounds):
-        bandwidths.append(read_bandwidth())
         order = names if r % 2 == 0 else list(reversed(names))  # interleaved: A B C, C B A, ...
         for name in order:
             if name in peers:
-                d, f = _llama_round(args.llama_python, peers[name], short[2 * r], short[2 * r + 1], long[r],
-                                    args.tokens)
+                (d, f), bandwidth, ok = bracketed(lambda: _llama_round(
+                    args.llama_python, peers[name], short[2 * r], short[2 * r + 1], long[r], args.tokens))
                 decode[name].append(d)
                 prefill[name].append(f)
-                continue
-            llm = engines[name]
-            first, full = run(llm, short[2 * r], 1), run(llm, short[2 * r + 1], args.tokens)
-            decode[name].append((args.tokens - 1) / (full - first))
-            prefill[name].append(args.prompt_tokens / run(llm, long[r], 1))
+            else:
+                llm = engines[name]
+                (first, full), bandwidth, ok = bracketed(
+                    lambda: (run(llm, short[2 * r], 1), run(llm, short[2 * r + 1], args.tokens)))
+                decode[name].append((args.tokens - 1) / (full - first))
+                prefill[name].append(args.prompt_tokens / run(llm, long[r], 1))
+            bandwidths[name].append(bandwidth)
+            steady[name].append(ok)
     base = next(iter(engines))
     result = {"benchmark": "quant_speed", "dtype": "bfloat16", "rounds": args.rounds, "tokens": args.tokens,
               "prompt_tokens": args.prompt_tokens, "threads": torch.get_num_threads(),
-              "read_gb_s_rounds": [b / 1e9 for b in bandwidths], "schemes": {}}
+              "schemes": {}}
     header = (f"{'scheme':<8} {'MB/step':>8} {'decode tok/s (min-max)':>24} {'floor':>6} {'share':>6} {'x base':>6} "
               f"{'prefill tok/s (min-max)':>26} {'x base':>6}  linears / one-call step")
     print(header)
     for name in names:
-        floors = [b / info[name]["weight_bytes"] for b in bandwidths]
-        shares = [d / f for d, f in zip(decode[name], floors)]
+        floors = [b / info[name]["weight_bytes"] for b in bandwidths[name]]
+        shares = steady_shares(decode[name], floors, steady[name])
         row = {**info[name], "decode_tok_s": statistics.median(decode[name]), "decode_rounds": decode[name],
-               "floor_tok_s": statistics.median(floors), "share_of_floor": statistics.median(shares),
+               "read_gb_s_rounds": [b / 1e9 for b in bandwidths[name]], "steady_rounds": steady[name],
+               "floor_tok_s": statistics.median(floors),
+               "share_of_floor": statistics.median(shares) if shares else None,
                "share_rounds": shares, "prefill_tok_s": statistics.median(prefill[name]),
                "prefill_rounds": prefill[name]}
         row["decode_x_base"] = row["decode_tok_s"] / statistics.median(decode[base])
@@ -162,10 +168,14 @@ def main(argv=None) -> dict:
         result["schemes"][name] = row
         print(f"{name:<8} {row['weight_bytes'] / 1e6:>8.0f} {row['decode_tok_s']:>8.1f} "
               f"({min(decode[name]):.1f}-{max(decode[name]):.1f}){'':>4} {row['floor_tok_s']:>6.1f} "
-              f"{row['share_of_floor']:>6.0%} {row['decode_x_base']:>6.2f} {row['prefill_tok_s']:>10.0f} "
+              f"{'-' if row['share_of_floor'] is None else format(row['share_of_floor'], '.0%'):>6} "
+              f"{row['decode_x_base']:>6.2f} {row['prefill_tok_s']:>10.0f} "
               f"({min(prefill[name]):.0f}-{max(prefill[name]):.0f}){'':>4} {row['prefill_x_base']:>6.2f}  "
               f"{row['linears']} / {row['step']}")
-    print(f"read bandwidth, round by round: {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
+    print(f"read bandwidth around {base}'s decodes, round by round: "
+          f"{', '.join(f'{b / 1e9:.1f}' for b in bandwidths[base])} GB/s; share: the median over the rounds whose "
+          f"probes before and after agree (steady rounds: "
+          f"{', '.join(f'{n} {sum(steady[n])}/{args.rounds}' for n in names)})")
     save_json(result, args.json)
     return result
 

@@ -8,8 +8,9 @@ between the two sides, and medians are reported, since this host's speed drifts.
 The memory-bandwidth floor, measured in the same run: a batch-1 decode step reads every weight
 once (the LM head included; an untied embedding only one row), so it cannot beat
 weight bytes / read bandwidth, with the bandwidth of a large ``sum`` at the benchmark's threads.
-A shared host's bandwidth drifts by tens of percent within minutes, so it is measured in every
-round, just before that round's engine runs, and each round's speed is set against its own floor.
+A shared host's bandwidth drifts by tens of percent within seconds, so it is probed just before and just
+after each side's timed run (``bracketed``), and each round's speed is set against its own floor; a round whose
+two probes disagree by more than ``STEADY`` has no floor and stays out of the shares.
 
 On a CPU with AMX the engine runs twice a round: with AMX (``infer``) and with it switched off
 (``infer-no-amx``, the path every host without AMX takes).
@@ -101,6 +102,26 @@ def read_bandwidth(rounds: int = 7) -> float:
     return x.numel() * 4 / statistics.median(times)
 
 
+STEADY = 1.15  # the most two probes around one timed run may differ for that run to have a floor
+
+
+def bracketed(timed, probe_rounds: int = 3):
+    """``timed()`` between two read-bandwidth probes: (its result, the probes' mean in bytes/s, whether they agree
+    within STEADY). A shared host's bandwidth can double within seconds (a Zen 5 VM's 2-thread ``sum`` read 30-35
+    GB/s one minute and 55-65 the next, its 1-thread ``sum`` ~30 in both), so a probe taken only before a run may
+    belong to another phase than the run: a run whose probes disagree has no floor, and its round is left out
+    of the shares (its speed still counts)."""
+    before = read_bandwidth(probe_rounds)
+    out = timed()
+    after = read_bandwidth(probe_rounds)
+    return out, (before + after) / 2, max(before, after) / min(before, after) <= STEADY
+
+
+def steady_shares(rates: list[float], floors: list[float], steady: list[bool]) -> list[float]:
+    """Each steady round's rate over its own floor (bracketed)."""
+    return [rate / floor for rate, floor, ok in zip(rates, floors, steady) if ok]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "single.json")
@@ -122,32 +143,38 @@ def main(argv=None) -> dict:
         run(prompts[-1], 4)
     nbytes = weight_bytes(artifact, args.dtype)
     rates = {name: [] for name in sides}
-    bandwidths = []
+    bandwidths = {name: [] for name in sides}
+    steady = {name: [] for name in sides}
     for r in range(args.rounds):
-        bandwidths.append(read_bandwidth())  # this round's floor, just before its engines run
-        for name, run in sides.items():
-            first, full = run(prompts[r], 1), run(prompts[r], args.tokens)
+        for name, run in sides.items():  # each side's floor probed just before and just after its own run
+            (first, full), bandwidth, ok = bracketed(lambda: (run(prompts[r], 1), run(prompts[r], args.tokens)))
             rates[name].append((args.tokens - 1) / (full - first))
-    floors = [bw / nbytes for bw in bandwidths]
+            bandwidths[name].append(bandwidth)
+            steady[name].append(ok)
+    floors = [bw / nbytes for bw in bandwidths["infer"]]
     result = {"benchmark": "single_request_decode", "dtype": args.dtype, "prompt_tokens": args.prompt_tokens,
               "tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
               "machine": platform.processor() or platform.machine(),
               "plan": {name: _engine_timer.plans[amx] for name, amx in engines.items()},
               **{name: {"tokens_per_s": statistics.median(v), "rounds": v} for name, v in rates.items()}}
     result["speedup"] = result["infer"]["tokens_per_s"] / result["transformers"]["tokens_per_s"]
-    shares = {name: [rate / floor for rate, floor in zip(v, floors)] for name, v in rates.items()}
-    result["bandwidth_floor"] = {"weight_bytes": nbytes, "read_gb_s": statistics.median(bandwidths) / 1e9,
-                                 "read_gb_s_rounds": [bw / 1e9 for bw in bandwidths],
+    shares = {name: steady_shares(rates[name], [bw / nbytes for bw in bandwidths[name]], steady[name])
+              for name in sides}
+    result["bandwidth_floor"] = {"weight_bytes": nbytes, "read_gb_s": statistics.median(bandwidths["infer"]) / 1e9,
+                                 "read_gb_s_rounds": [bw / 1e9 for bw in bandwidths["infer"]],
+                                 "steady_rounds": steady["infer"],
                                  "tokens_per_s": statistics.median(floors), "tokens_per_s_rounds": floors,
-                                 **{f"{name}_share": statistics.median(shares[name]) for name in engines},
+                                 **{f"{name}_share": statistics.median(shares[name]) if shares[name] else None
+                                    for name in engines},
                                  **{f"{name}_share_rounds": shares[name] for name in engines}}
     for name in sides:
+        share = (f"{statistics.median(shares[name]):.0%} of the floor in {len(shares[name])} steady rounds"
+                 if shares[name] else "no round with a steady floor")
         print(f"{name:<13}: {result[name]['tokens_per_s']:.1f} tok/s decode at batch 1 "
-              f"(rounds: {', '.join(f'{v:.1f}' for v in rates[name])}; "
-              f"{statistics.median(shares[name]):.0%} of each round's floor)")
+              f"(rounds: {', '.join(f'{v:.1f}' for v in rates[name])}; {share})")
     print(f"speedup      : {result['speedup']:.2f}x")
     print(f"floor        : {statistics.median(floors):.1f} tok/s ({nbytes / 1e6:.0f} MB of weights a step at "
-          f"{', '.join(f'{bw / 1e9:.1f}' for bw in bandwidths)} GB/s read, round by round)")
+          f"{', '.join(f'{bw / 1e9:.1f}' for bw in bandwidths['infer'])} GB/s read around infer's runs)")
     save_json(result, args.json)
     return result
 

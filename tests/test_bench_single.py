@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from infer.bench.single import read_bandwidth, weight_bytes
+from infer.bench.single import STEADY, bracketed, read_bandwidth, steady_shares, weight_bytes
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -35,6 +35,19 @@ def test_read_bandwidth_is_the_gib_over_the_median_round(monkeypatch):
         assert read_bandwidth(rounds=3) == 2**30 / 2.0
     gb_s = read_bandwidth(rounds=3) / 1e9
     assert 1 < gb_s < 1000, gb_s
+
+
+@pytest.mark.parametrize("before, after, steady", [(30e9, 33e9, True), (30e9, 60e9, False), (60e9, 30e9, False)])
+def test_bracketed_probes_around_the_run_and_says_whether_they_agree(monkeypatch, before, after, steady):
+    """The run happens between the two probes; the floor is their mean; a run whose probes differ by more than
+    STEADY (the host's bandwidth changed phase during it) is flagged, and steady_shares leaves its round out."""
+    calls = []
+    probes = iter([before, after])
+    monkeypatch.setattr("infer.bench.single.read_bandwidth", lambda rounds=3: calls.append("probe") or next(probes))
+    out, mean, ok = bracketed(lambda: calls.append("run") or "result")
+    assert (out, calls, mean, ok) == ("result", ["probe", "run", "probe"], (before + after) / 2, steady)
+    assert (max(before, after) / min(before, after) <= STEADY) == steady
+    assert steady_shares([10.0, 20.0, 30.0], [20.0, 40.0, 30.0], [True, ok, True]) == ([0.5, 0.5, 1.0] if ok else [0.5, 1.0])
 
 
 def test_every_benchmark_describes_its_host_in_one_shape():
