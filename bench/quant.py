@@ -14,7 +14,7 @@ For each of float32, bfloat16 and the quantized schemes (SCHEMES: the smollm2_13
 - decode tokens/s at batch 1 and batch 16 with the engine (greedy, ignore_eos): the time of
   ``N + 1`` generated tokens minus the time of 1, so prefill is not counted; batch 1's share of the
   scheme's own bandwidth floor (the bytes its step reads, bench/single.py's ``weight_bytes``, over the
-  read bandwidth probed just before);
+  read bandwidth probed just before and just after that decode: none where the two disagree, ``bracketed``);
 - prefill tokens/s of a fresh ``--prompt-tokens`` prompt (one output token, prefix caching off).
 Speeds only, interleaved rounds and llama.cpp beside them: ``infer-bench quant-speed``.
 
@@ -52,6 +52,7 @@ import torch
 
 from infer.runtime.artifact import CONFIG, MANIFEST, TOKENIZER
 
+from .single import weight_bytes
 from .throughput import RESULTS, host_info
 
 # name: (label, infer-build overrides; None: built by llmcompressor_direct, then packaged)
@@ -190,8 +191,12 @@ def perplexity(path: Path, windows: int, seq_len: int) -> float:
     return math.exp(nll / count)
 
 
-def decode_speed(path: Path, batch: int, tokens: int) -> float:
+def decode_speed(path: Path, batch: int, tokens: int) -> tuple[float, float, bool]:
+    """Decode tok/s at this batch, with the read bandwidth probed around it and whether those probes agree
+    (bench/single.py's ``bracketed``)."""
     from infer.runtime import LLM, SamplingParams
+
+    from .single import bracketed
 
     llm = LLM(path, kv_cache_memory=256 << 20)
     prompts = [[1] + [100 + (7 * i + j) % 5000 for j in range(15)] for i in range(batch)]
@@ -202,18 +207,15 @@ def decode_speed(path: Path, batch: int, tokens: int) -> float:
         return time.perf_counter() - start
 
     timed(2)  # warm-up
-    t1 = sorted(timed(1) for _ in range(3))[1]  # prefill and the first token
-    tn = timed(tokens + 1)
+    # prefill and the first token, then N + 1 tokens
+    (t1, tn), bandwidth, steady = bracketed(lambda: (sorted(timed(1) for _ in range(3))[1], timed(tokens + 1)))
     decode = tn - t1 if tn > 1.5 * t1 else tn  # on a noisy machine a bad t1 must not blow the figure up
-    return batch * tokens / decode
+    return batch * tokens / decode, bandwidth, steady
 
 
-def prefill_and_floor(path: Path, prompt_tokens: int) -> dict:
-    """Prefill tok/s of fresh prompts (median of 3), and the batch-1 floor: the bandwidth probed now over
-    the bytes a decode step of this artifact reads at the dtype the engine runs it in."""
+def prefill(path: Path, prompt_tokens: int) -> dict:
+    """Prefill tok/s of fresh prompts (median of 3), the dtype the engine runs the artifact in, its plan."""
     from infer.runtime import LLM, SamplingParams
-
-    from .single import read_bandwidth, weight_bytes
 
     llm = LLM(path, kv_cache_memory=256 << 20, enable_prefix_caching=False)
     dtype = str(llm.engine.model.dtype).removeprefix("torch.")
@@ -223,8 +225,7 @@ def prefill_and_floor(path: Path, prompt_tokens: int) -> dict:
         start = time.perf_counter()
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         rates.append(prompt_tokens / (time.perf_counter() - start))
-    return {"prefill_tok_s": round(sorted(rates[1:])[1], 1), "dtype": dtype,
-            "floor_tok_s": round(read_bandwidth() / weight_bytes(path, dtype), 1), "plan": llm.engine.plan.describe()}
+    return {"prefill_tok_s": round(sorted(rates[1:])[1], 1), "dtype": dtype, "plan": llm.engine.plan.describe()}
 
 
 def fp8_sensitivity(path: Path, windows: int, seq_len: int, limit: int | None = None) -> dict:
@@ -382,12 +383,16 @@ def main(argv=None) -> dict:
             row["chat_vs"] = "float32" if name == "bfloat16" else "bfloat16"
             if name != "float32":
                 row.update(chat_metrics(out, keep / row["chat_vs"], args.chat_prompts, args.chat_tokens))
-            print(f"[{name}] prefill and floor ...", file=sys.stderr, flush=True)
-            row.update(prefill_and_floor(out, args.prompt_tokens))
+            print(f"[{name}] prefill ...", file=sys.stderr, flush=True)
+            row.update(prefill(out, args.prompt_tokens))
             for b in (1, 16):
                 print(f"[{name}] decode batch {b} ...", file=sys.stderr, flush=True)
-                row[f"decode_tok_s_b{b}"] = round(decode_speed(out, b, args.decode_tokens), 1)
-            row["share_of_floor"] = round(row["decode_tok_s_b1"] / row["floor_tok_s"], 3)
+                rate, bandwidth, steady = decode_speed(out, b, args.decode_tokens)
+                row[f"decode_tok_s_b{b}"] = round(rate, 1)
+                if b == 1:
+                    row["floor_tok_s"] = round(bandwidth / weight_bytes(out, row["dtype"]), 1)
+                    row["floor_steady"] = steady
+            row["share_of_floor"] = round(row["decode_tok_s_b1"] / row["floor_tok_s"], 3) if row["floor_steady"] else None
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
     finally:
@@ -430,9 +435,10 @@ def table(rows: list[dict]) -> str:
                                                                           "chat_top1_agreement")]
         vs_bf16 = f", {r['decode_b1_vs_bf16']:.2f}x" if "decode_b1_vs_bf16" in r else ""
         prefill_vs = f" ({r['prefill_vs_bf16']:.2f}x)" if "prefill_vs_bf16" in r else ""
+        share = "- (bandwidth moved)" if r["share_of_floor"] is None else f"{r['share_of_floor']:.0%}"
         lines.append(f"| {r['label']} | {r.get('calibration') or '-'} | {q} | {r['artifact_mb']} | {r['perplexity']:.2f} "
                      f"({r['ppl_vs_fp32_pct']:+.1f}%) | {' | '.join(chat)} | {r['decode_tok_s_b1']:.1f} "
-                     f"({r['decode_b1_vs_fp32']:.2f}x{vs_bf16}) | {r['share_of_floor']:.0%} | "
+                     f"({r['decode_b1_vs_fp32']:.2f}x{vs_bf16}) | {share} | "
                      f"{r['decode_tok_s_b16']:.1f} ({r['decode_b16_vs_fp32']:.2f}x) | {r['prefill_tok_s']:.0f}{prefill_vs} |")
     return "\n".join(lines)
 
