@@ -89,7 +89,7 @@ def main(argv=None) -> dict:
     from infer.kernels.extension import build
     from infer.runtime import LLM, SamplingParams
 
-    from .single import bracketed, read_bandwidth, weight_bytes
+    from .single import bracketed, read_bandwidth, steady_shares, weight_bytes
     from .throughput import host_info, save_json
 
     peak_module = build("infer_peak", "peak.cpp", ["-fopenmp"])
@@ -150,9 +150,9 @@ def main(argv=None) -> dict:
     def summary(values: list[float]) -> dict:
         return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
 
-    def steady_summary(row: dict) -> dict | None:
+    def steady_summary(row: dict, nbytes: int) -> dict | None:
         """The floor shares of the rounds whose decode had a steady floor (None: not one)."""
-        shares = [s for s, ok in zip(row["floor_share"], row["steady"]) if ok]
+        shares = steady_shares(row["decode"], [gb_s * 1e9 / nbytes for gb_s in row["read_gb_s"]], row["steady"])
         return summary(shares) if shares else None
 
     result = {"host": host_info(), "isa": isa.active(), "threads": threads, "instruction": instruction,
@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
               "artifacts": {name: {"weight_bytes": e["bytes"], "plan": e["plan"],
                                    "prefill_flops": flops_of_prefill(e["config"], PREFILL),
                                    **{k: summary(v) for k, v in rows[name].items() if k != "steady"},
-                                   "steady": rows[name]["steady"], "steady_floor_share": steady_summary(rows[name])}
+                                   "steady": rows[name]["steady"], "steady_floor_share": steady_summary(rows[name], e["bytes"])}
                             for name, e in engines.items()},
               "command": " ".join([os.path.basename(sys.executable), "-m", "infer.bench.cpu_class", *(argv or sys.argv[1:])])}
     if llama_rows["decode"]:
