@@ -129,6 +129,13 @@ def _tiny_model(intermediate: int = 128):
     return model
 
 
+def _picks_a_top_token(after: torch.Tensor, before: torch.Tensor) -> None:
+    """Every position's greedy token is one the unpacked model scores highest: bfloat16 logits over 320 words
+    often tie exactly (e.g. 0.7031 twice), and a tie may break either way; a wrong pick scores below the top."""
+    picked = before.gather(-1, after.argmax(-1, keepdim=True)).squeeze(-1)
+    assert torch.equal(picked, before.amax(-1)), (picked, before.amax(-1))
+
+
 @pytest.mark.parametrize("kernel", _kernels())
 def test_pack_linears_swaps_the_decoder_linears_and_with_amx_or_blocks_the_lm_head(kernel):
     model = _tiny_model()
@@ -144,7 +151,7 @@ def test_pack_linears_swaps_the_decoder_linears_and_with_amx_or_blocks_the_lm_he
     with torch.inference_mode():
         after = model.logits(ids)
     assert (after - before).abs().max().item() < 0.05 * before.abs().max().item()
-    assert (after.argmax(-1) == before.argmax(-1)).float().mean().item() > 0.9
+    _picks_a_top_token(after, before)
 
 
 def test_streamed_weights_share_one_aligned_arena_and_keep_their_values():
@@ -165,7 +172,7 @@ def test_streamed_weights_share_one_aligned_arena_and_keep_their_values():
     assert len(packed) == 9 and len(storages) == 1  # 8 decoder linears and the LM head, one arena
     with torch.inference_mode():
         after = model.logits(ids)
-    assert (after.argmax(-1) == before.argmax(-1)).float().mean().item() > 0.9
+    _picks_a_top_token(after, before)
     assert (after - before).abs().max().item() < 0.05 * before.abs().max().item()
 
 
