@@ -9,6 +9,8 @@ and ``--vllm-kv-gib`` of KV cache. JSON to --json (default $TMPDIR/infer-bench/v
 
     python -m infer.bench.vllm_serve ART --vllm-python /tmp/vv/bin/python [--rates 1 inf] [--requests 48]
         [--engines infer]   (infer alone, still under vLLM's client: e.g. a model too large to serve twice)
+        [--base REV]        (also REV's infer-run, from a worktree as bench/revisions.py makes: its ratio to vLLM in
+                             the same run, for a target stated against an older revision's)
 """
 
 from __future__ import annotations
@@ -40,17 +42,43 @@ def served_model(port: int) -> str:
 
 
 def run_client(vllm_python: str, port: int, model: str, tokenizer: str, dataset: list[str], n: int, rate: str,
-               out: Path) -> dict:
-    """vLLM's serving client against the server on ``port``: ``dataset`` its dataset arguments; returns METRICS."""
+               out: Path, seed: int = 0) -> dict:
+    """vLLM's serving client against the server on ``port``: ``dataset`` its dataset arguments, ``seed`` the one
+    its random prompts are drawn with; returns METRICS."""
     cmd = [vllm_python, "-c", CLIENT, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
            "--endpoint", "/v1/completions", "--model", model, "--tokenizer", tokenizer, *dataset,
            "--num-prompts", str(n), "--request-rate", rate, "--ignore-eos", "--percentile-metrics",
-           "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--seed", "0", "--save-result",
+           "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--seed", str(seed), "--save-result",
            "--result-dir", str(out.parent), "--result-filename", out.name]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **VLLM_ENV})
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"vLLM's client failed ({done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
     return {k: json.loads(out.read_text())[k] for k in METRICS}
+
+
+def serve_rounds(args, servers: dict, dataset: list[str], work: Path) -> dict[str, dict[str, list[dict]]]:
+    """Each server in turn (order alternating per round), every rate against it: the client's METRICS per run."""
+    runs: dict[str, dict[str, list[dict]]] = {rate: {s: [] for s in servers} for rate in args.rates}
+    for r in range(args.rounds):
+        for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
+            cmd, env = servers[name]
+            log = work / f"server-{name}-{r}.log"
+            proc = _start(cmd, log, env)
+            try:
+                _wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
+                model = served_model(args.port)
+                for i, rate in enumerate(args.rates):
+                    # fresh prompts for each rate and round (the same for every engine): a server that had seen
+                    # the previous rate's prompts answered the next from its prefix cache (infer, bfloat16, all at
+                    # once after 1 req/s: TTFT p50 0.98 s against 4.9 s for prompts it had not seen)
+                    res = run_client(args.vllm_python, args.port, model, args.artifact, dataset, args.requests, rate,
+                                     work / f"{name}-{rate}-{r}.json", seed=r * len(args.rates) + i)
+                    runs[rate][name].append(res)
+                    print(f"round {r} {name:>5} rate {rate:>4}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()),
+                          flush=True)
+            finally:
+                _stop(proc)
+    return runs
 
 
 def main(argv=None) -> None:
@@ -69,6 +97,7 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--engines", nargs="+", choices=["infer", "vllm"], default=["infer", "vllm"],
                    help="serve these in turn (infer alone: the client's figures without the comparison)")
+    p.add_argument("--base", help="also serve this git revision's infer-run (engine infer@REV), e.g. c19bbc2")
     p.add_argument("--json", default=str(Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "infer-bench"
                                          / "vllm-serve.json"))
     args = p.parse_args(argv)
@@ -80,36 +109,37 @@ def main(argv=None) -> None:
                  {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}),
     }
     servers = {name: servers[name] for name in args.engines}
+    if args.base:
+        from .revisions import revision_path, run_bench
+
+        shim = revision_path(args.base, work / "base")
+        # its kernels compile on this first run, untimed, rather than while its server is awaited
+        run_bench(["single", "--rounds", "1", "--tokens", "8"], Path(args.artifact), work / "warm-base.json", shim)
+        pythonpath = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
+        servers[f"infer@{args.base}"] = (servers["infer"][0] if "infer" in servers else
+                                         [_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype",
+                                          args.dtype], {**os.environ, "PYTHONPATH": pythonpath})
     dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
                str(args.output_len)]
-    runs: dict[str, dict[str, list[dict]]] = {rate: {s: [] for s in servers} for rate in args.rates}
-    for r in range(args.rounds):
-        for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
-            cmd, env = servers[name]
-            log = work / f"server-{name}-{r}.log"
-            proc = _start(cmd, log, env)
-            try:
-                _wait_ready(f"http://127.0.0.1:{args.port}", proc, log)
-                model = served_model(args.port)
-                for rate in args.rates:
-                    res = run_client(args.vllm_python, args.port, model, args.artifact, dataset, args.requests, rate,
-                                     work / f"{name}-{rate}-{r}.json")
-                    runs[rate][name].append(res)
-                    print(f"round {r} {name:>5} rate {rate:>4}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()),
-                          flush=True)
-            finally:
-                _stop(proc)
+    try:
+        runs = serve_rounds(args, servers, dataset, work)
+    finally:
+        if args.base:
+            subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "worktree", "remove", "--force",
+                            str(work / "base" / "tree")], capture_output=True)
     report = {"host": host_info(), "artifact": args.artifact, "dtype": args.dtype, "requests": args.requests,
               "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds, "rates": {}}
+    ours = [s for s in servers if s != "vllm"] if "vllm" in servers else []  # each infer against vLLM
     print(f"{'rate':>5} {'metric':>18} " + " ".join(f"{s:>9}" for s in servers)
-          + (f" {'infer/vllm':>10}" if len(servers) == 2 else ""))
+          + "".join(f" {s + '/vllm':>16}" for s in ours))
     for rate, by_server in runs.items():
         med = {s: {k: statistics.median(x[k] for x in rs) for k in METRICS} for s, rs in by_server.items()}
-        ratio = ({k: round(med["infer"][k] / med["vllm"][k], 3) for k in METRICS} if len(servers) == 2 else None)
-        report["rates"][rate] = {"median": med, "runs": by_server, "ratio": ratio}
+        ratios = {s: {k: round(med[s][k] / med["vllm"][k], 3) for k in METRICS} for s in ours}
+        report["rates"][rate] = {"median": med, "runs": by_server, "ratio": ratios.get("infer"),
+                                 "ratios": ratios}
         for k in METRICS:
             print(f"{rate:>5} {k:>18} " + " ".join(f"{med[s][k]:>9.1f}" for s in servers)
-                  + (f" {ratio[k]:>10}" if ratio else ""))
+                  + "".join(f" {ratios[s][k]:>16}" for s in ours))
     save_json(report, Path(args.json))
 
 
