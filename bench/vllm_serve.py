@@ -9,6 +9,7 @@ and ``--vllm-kv-gib`` of KV cache. JSON to --json (default $TMPDIR/infer-bench/v
 
     python -m infer.bench.vllm_serve ART --vllm-python /tmp/vv/bin/python [--rates 1 inf] [--requests 48]
         [--engines infer]   (infer alone, still under vLLM's client: e.g. a model too large to serve twice)
+        [--infer-args '--max-num-batched-tokens 256']   (infer-run's own flags, e.g. a scheduling trade-off)
         [--base REV]        (also REV's infer-run, from a worktree as bench/revisions.py makes: its ratio to vLLM in
                              the same run, for a target stated against an older revision's)
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -97,13 +99,15 @@ def main(argv=None) -> None:
     p.add_argument("--port", type=int, default=8124)
     p.add_argument("--engines", nargs="+", choices=["infer", "vllm"], default=["infer", "vllm"],
                    help="serve these in turn (infer alone: the client's figures without the comparison)")
+    p.add_argument("--infer-args", default="", help="more infer-run flags, one string (e.g. '--max-num-batched-tokens 256')")
     p.add_argument("--base", help="also serve this git revision's infer-run (engine infer@REV), e.g. c19bbc2")
     p.add_argument("--json", default=str(Path(os.environ.get("TMPDIR", tempfile.gettempdir())) / "infer-bench"
                                          / "vllm-serve.json"))
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="vllm-serve-"))
     servers = {
-        "infer": ([_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype", args.dtype], None),
+        "infer": ([_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype", args.dtype,
+                   *shlex.split(args.infer_args)], None),
         "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.artifact, "--dtype",
                   args.dtype, "--max-model-len", "1024", "--port", str(args.port)],
                  {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}),
