@@ -57,6 +57,13 @@ def revision_path(rev: str, scratch: Path) -> Path:
     return shim.parent
 
 
+def remove_revision(scratch: Path) -> None:
+    """Undoes ``revision_path(rev, scratch)``: its worktree goes (the folder of links with the scratch folder)."""
+    if (scratch / "tree").exists():
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(scratch / "tree")],
+                       capture_output=True)
+
+
 def run_bench(args: list[str], artifact: Path, out: Path, pythonpath: Path | None) -> dict:
     env = dict(os.environ)
     if pythonpath is not None:
@@ -122,9 +129,7 @@ def main(argv=None) -> dict:
                 result["benches"][bench] = {"figures": rows, "runs": runs}
         finally:
             for side in ("base", "head"):
-                if (scratch / side / "tree").exists():
-                    subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(scratch / side / "tree")],
-                                   capture_output=True)
+                remove_revision(scratch / side)
     print(f"\n{'figure':<34} {args.base[:10]:>12} {result['head']:>14}   head/base")
     for bench in benches:
         for name, row in result["benches"][bench]["figures"].items():

@@ -106,32 +106,31 @@ def main(argv=None) -> None:
                                          / "vllm-serve.json"))
     args = p.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="vllm-serve-"))
+    infer_run = [_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype", args.dtype,
+                 *shlex.split(args.infer_args)]
     servers = {
-        "infer": ([_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype", args.dtype,
-                   *shlex.split(args.infer_args)], None),
+        "infer": (infer_run, None),
         "vllm": ([args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.artifact, "--dtype",
                   args.dtype, "--max-model-len", "1024", "--port", str(args.port)],
                  {**os.environ, **VLLM_ENV, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib)}),
     }
     servers = {name: servers[name] for name in args.engines}
     if args.base:
-        from .revisions import revision_path, run_bench
+        from .revisions import remove_revision, revision_path, run_bench
 
         shim = revision_path(args.base, work / "base")
         # its kernels compile on this first run, untimed, rather than while its server is awaited
         run_bench(["single", "--rounds", "1", "--tokens", "8"], Path(args.artifact), work / "warm-base.json", shim)
         pythonpath = os.pathsep.join(filter(None, [str(shim), os.environ.get("PYTHONPATH")]))
-        servers[f"infer@{args.base}"] = (servers["infer"][0] if "infer" in servers else
-                                         [_bin("infer-run"), args.artifact, "--port", str(args.port), "--dtype",
-                                          args.dtype], {**os.environ, "PYTHONPATH": pythonpath})
+        # the same command and flags (--infer-args too), that revision's packages first on the path
+        servers[f"infer@{args.base}"] = (infer_run, {**os.environ, "PYTHONPATH": pythonpath})
     dataset = ["--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
                str(args.output_len)]
     try:
         runs = serve_rounds(args, servers, dataset, work)
     finally:
         if args.base:
-            subprocess.run(["git", "-C", str(Path(__file__).resolve().parent.parent), "worktree", "remove", "--force",
-                            str(work / "base" / "tree")], capture_output=True)
+            remove_revision(work / "base")
     report = {"host": host_info(), "artifact": args.artifact, "dtype": args.dtype, "requests": args.requests,
               "input_len": args.input_len, "output_len": args.output_len, "rounds": args.rounds, "rates": {}}
     ours = [s for s in servers if s != "vllm"] if "vllm" in servers else []  # each infer against vLLM
