@@ -120,3 +120,20 @@ def test_all_greedy_rows_on_the_host_choose_as_the_general_path(fresh_seed):
     assert [t for i, t in enumerate(host.token_ids) if i not in host.errors] == \
         [t for i, t in enumerate(general.token_ids) if i not in general.errors] == \
         [x[0].argmax().item(), 10, x[5].argmax().item()]
+
+
+def test_a_batch_of_sampled_rows_draws_as_the_same_rows_beside_a_greedy_one(fresh_seed):
+    # every row sampled takes the logits whole; with a greedy row too, the sampled ones go as a subset: same draws
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x = torch.randn(5, 1000, generator=gen)
+    x[2, 5] = float("nan")
+
+    def batch(greedy_too: bool):
+        rows = [Sequence("r", [0], SamplingParams(temperature=0.8, top_p=0.9, seed=fresh_seed + i)) for i in range(5)]
+        return rows + ([Sequence("r", [0], SamplingParams(temperature=0))] if greedy_too else [])
+
+    alone = sample(x, batch(False))
+    mixed = sample(torch.cat([x, x[:1]]), batch(True))
+    assert alone.token_ids[:2] + alone.token_ids[3:] == mixed.token_ids[:2] + mixed.token_ids[3:5]
+    assert sorted(alone.errors) == sorted(mixed.errors) == [2]  # the NaN row fails alone, in both
+    assert mixed.token_ids[5] == x[0].argmax().item()
