@@ -201,7 +201,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         broken = ~torch.isfinite(row_max(raw)[0] if constrained else best)
         # no valid distribution after the filters (or the masks left no token at all)
         invalid = (best == float("-inf")) & ~broken if constrained else torch.zeros_like(broken)
-        if len(sampled) == len(seqs):  # every row sampled (a server's default temperature): no subset to copy
+        if sampled and len(sampled) == len(seqs):  # every row sampled (a server's default temperature): no subset to copy
             probs = filter_logits(logits, seqs).softmax(-1)
             chosen = draw(probs, seqs)
             # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
