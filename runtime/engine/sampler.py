@@ -201,16 +201,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         broken = ~torch.isfinite(row_max(raw)[0] if constrained else best)
         # no valid distribution after the filters (or the masks left no token at all)
         invalid = (best == float("-inf")) & ~broken if constrained else torch.zeros_like(broken)
-        if sampled and len(sampled) == len(seqs):  # every row sampled (a server's default temperature): no subset to copy
-            probs = filter_logits(logits, seqs).softmax(-1)
-            chosen = draw(probs, seqs)
-            # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
-            invalid |= ~torch.isfinite(probs[:, 0])
-        elif sampled:
-            rows = torch.tensor(sampled, device=logits.device)
-            subset = [seqs[i] for i in sampled]
+        if sampled:
+            # every row sampled (a server's default temperature): a slice, a view of the logits, not a copy of them
+            whole = len(sampled) == len(seqs)
+            rows = slice(None) if whole else torch.tensor(sampled, device=logits.device)
+            subset = seqs if whole else [seqs[i] for i in sampled]
             probs = filter_logits(logits[rows], subset).softmax(-1)
             chosen[rows] = draw(probs, subset)
+            # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
             invalid[rows] |= ~torch.isfinite(probs[:, 0])
         token_ids, broken_rows, invalid_rows = torch.stack([chosen, broken.long(), invalid.long()]).tolist()
     errors = {}
