@@ -191,9 +191,9 @@ def perplexity(path: Path, windows: int, seq_len: int) -> float:
     return math.exp(nll / count)
 
 
-def decode_speed(path: Path, batch: int, tokens: int) -> tuple[float, float, bool]:
-    """Decode tok/s at this batch, with the read bandwidth probed around it and whether those probes agree
-    (bench/single.py's ``bracketed``)."""
+def decode_speed(path: Path, batch: int, tokens: int, floor: bool = False) -> tuple[float, float | None, bool | None]:
+    """Decode tok/s at this batch; with ``floor``, the read bandwidth probed around it and whether those probes agree
+    (bench/single.py's ``bracketed``), else None for both."""
     from infer.runtime import LLM, SamplingParams
 
     from .single import bracketed
@@ -207,8 +207,11 @@ def decode_speed(path: Path, batch: int, tokens: int) -> tuple[float, float, boo
         return time.perf_counter() - start
 
     timed(2)  # warm-up
-    # prefill and the first token, then N + 1 tokens
-    (t1, tn), bandwidth, steady = bracketed(lambda: (sorted(timed(1) for _ in range(3))[1], timed(tokens + 1)))
+
+    def run():  # prefill and the first token, then N + 1 tokens
+        return sorted(timed(1) for _ in range(3))[1], timed(tokens + 1)
+
+    (t1, tn), bandwidth, steady = bracketed(run) if floor else (run(), None, None)
     decode = tn - t1 if tn > 1.5 * t1 else tn  # on a noisy machine a bad t1 must not blow the figure up
     return batch * tokens / decode, bandwidth, steady
 
@@ -387,7 +390,7 @@ def main(argv=None) -> dict:
             row.update(prefill(out, args.prompt_tokens))
             for b in (1, 16):
                 print(f"[{name}] decode batch {b} ...", file=sys.stderr, flush=True)
-                rate, bandwidth, steady = decode_speed(out, b, args.decode_tokens)
+                rate, bandwidth, steady = decode_speed(out, b, args.decode_tokens, floor=b == 1)  # batch 1's floor
                 row[f"decode_tok_s_b{b}"] = round(rate, 1)
                 if b == 1:
                     row["floor_tok_s"] = round(bandwidth / weight_bytes(out, row["dtype"]), 1)
