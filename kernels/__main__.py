@@ -25,7 +25,8 @@ def _kernels(cls: str | None) -> dict[str, str]:
     if cls == "amx":
         kernels |= {"amx_linear": "amx_linear", "amx_attention": "amx_attention"}
     if cls is not None:  # every class has AVX2 + FMA
-        kernels |= {k: k for k in ("bf16_linear", "int4_linear", "int8_linear", "bf16_attention", "step_layers")}
+        kernels |= {k: k for k in ("bf16_linear", "int4_linear", "int8_linear", "bf16_attention", "sample_rows",
+                                         "step_layers")}
     return kernels
 
 

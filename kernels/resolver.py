@@ -55,6 +55,7 @@ class KernelSet:
     prefill_attention: Callable | None = None  # chunks that start a sequence: the AMX chunk kernel where AMX
     # is on, else kernels.bf16_attention's, or None: SDPA within each chunk
     amx_chunks: bool = False  # the chunk kernels are AMX tiles' (else the CPU class's, kernels/bf16_attention.py)
+    draw_rows: Callable | None = None  # kernels.sample_rows' draw (the sampler's temperature rows), or None: torch
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
         """How a plain linear of ``dtype`` runs: amx | blocks | onednn | torch (blocks: kernels/bf16_linear.py,
@@ -74,7 +75,8 @@ class KernelSet:
              "decode_attention": fast if self.decode_attention is not None else "torch-sdpa",
              "kv_store": fast if self.store_kv is not None else "torch",
              "chunk_attention": self._chunk_kernel_name(self.chunk_attention),
-             "prefill_attention": self._chunk_kernel_name(self.prefill_attention)}
+             "prefill_attention": self._chunk_kernel_name(self.prefill_attention),
+             "sampler": fast if self.draw_rows is not None else "torch"}
         if self.step_layers is not None:
             d["step_layers"] = "cpp"  # a step's layers in one call, where the model's layers fit it
         if dtype is not None:
@@ -130,7 +132,8 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         return KernelSet("torch", False, None, None, None, None, None, False)
     if backend == "triton":
         return _triton(dtype)
-    from . import amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention, layer_ops, step_layers
+    from . import (amx_attention, amx_linear, bf16_attention, bf16_linear, cpu_attention, layer_ops, sample_rows,
+                   step_layers)
 
     use_amx = _amx_wanted(amx)
 
@@ -160,13 +163,14 @@ def resolve(backend: str = "auto", *, amx: bool | None = None, dtype: torch.dtyp
         fused = need(step_layers.load(), "step layers")
         if fused is not None and (linear_amx is not None or chunk is not None) and not fused.has_amx():
             fused = None  # built without AMX (an older compiler): the Python loop runs the AMX kernels
+    draw = need(sample_rows.load(), "sampler") if isa.at_least("avx2") else None
     from infer.kernels.onednn import can_pack  # local: the probe runs a tiny matmul
 
     return KernelSet("cpp", linear_amx is not None or chunk is not None, ops,
                      attention.paged_decode_attention if attention is not None else None,
                      attention.store_kv_ if attention is not None else None, chunk or prefill, linear_amx,
                      dtype == torch.bfloat16 and can_pack(torch.bfloat16), linear_bf16, fused, prefill,
-                     chunk is not None)
+                     chunk is not None, draw.draw_rows if draw is not None else None)
 
 
 class _TritonLayerOps:

@@ -153,11 +153,11 @@ def test_the_resolver_names_the_class_it_chose():
 
 
 # The test files of the kernels whose code differs by class (attention, bfloat16, int8 and int4 linears, layer ops, the
-# one-call step with its prompt chunks, the plan's routes): the suite runs them at this CPU's own class; each class below it runs
+# one-call step with its prompt chunks, the plan's routes, the sampler's draw): the suite runs them at this CPU's own class; each class below it runs
 # them again in a process started with INFER_ISA set, so every host checks every path it can execute against its
 # reference (the one-call step against the Python loop's bits).
 KERNEL_TESTS = ("test_kernels.py", "test_packed_linear.py", "test_int8_linear.py", "test_int4_linear.py",
-                "test_layer_ops.py", "test_fused_step.py", "test_plan.py")
+                "test_layer_ops.py", "test_fused_step.py", "test_plan.py", "test_sampler.py")
 
 
 def _lower_classes(at_own: str = "the suite itself ran these tests"):
@@ -201,7 +201,7 @@ def test_the_ahead_of_time_build_covers_each_class_and_refuses_unknown_words():
     from infer.kernels.__main__ import _kernels, main
 
     assert set(_kernels("avx2")) == {"layer_ops", "paged_attention", "bf16_linear", "int4_linear", "int8_linear",
-                                     "bf16_attention", "step_layers"}
+                                     "bf16_attention", "sample_rows", "step_layers"}
     assert set(_kernels("amx")) == set(_kernels("avx2")) | {"amx_linear", "amx_attention"}
     assert set(_kernels(None)) == {"layer_ops", "paged_attention"}  # below AVX2: the portable kernels only
     assert main(["build", "--every-class"]) == 2

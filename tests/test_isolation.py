@@ -151,11 +151,11 @@ def test_a_sampler_error_on_one_row_fails_only_that_request(engine, reference, m
     real_sample = engine_module.sample
     calls = []
 
-    def sample(logits, seqs):
+    def sample(logits, seqs, draw_kernel):
         calls.append(len(seqs))
         if any(s.request_id == "hostile" for s in seqs):
             raise RuntimeError("injected sampler fault")
-        return real_sample(logits, seqs)
+        return real_sample(logits, seqs, draw_kernel)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     add_normals(engine)
@@ -285,10 +285,10 @@ def test_llm_generate_reports_a_failed_request_in_its_output(embedded_llm, monke
     alone = [o.token_ids for o in embedded_llm.generate([NORMAL[0], NORMAL[2]], good)]
     real_sample = engine_module.sample
 
-    def sample(logits, seqs):
+    def sample(logits, seqs, draw_kernel):
         if any(s.prompt == "HOSTILE" for s in seqs):
             raise RuntimeError("injected sampler fault")
-        return real_sample(logits, seqs)
+        return real_sample(logits, seqs, draw_kernel)
 
     monkeypatch.setattr(engine_module, "sample", sample)
     outs = embedded_llm.generate([NORMAL[0], "HOSTILE", NORMAL[2]], good)

@@ -1,4 +1,5 @@
-"""The sampler on known logits: each parameter, seeded determinism, distribution sanity."""
+"""The sampler on known logits: each parameter, seeded determinism, distribution sanity, on both draws (torch's ops
+and the C++ kernel, kernels/sample_rows.py); the kernel's choices against a float64 inverse CDF."""
 
 from __future__ import annotations
 
@@ -7,11 +8,25 @@ import math
 import pytest
 import torch
 
+from infer.kernels import isa, sample_rows
 from infer.runtime.engine.sampler import apply_penalties, sample
 from infer.runtime.engine.sampling_params import SamplingParams
 from infer.runtime.engine.sequence import Sequence
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+
+
+def _kernel():
+    module = sample_rows.load()
+    assert module is not None, "kernels/csrc/sample_rows.cpp did not build (see the warning above)"
+    return module.draw_rows
+
+
+# below AVX2 no C++ kernel runs, the sampler's included (kernels/resolver.py)
+@pytest.fixture(params=["torch", "cpp"] if isa.at_least("avx2") else ["torch"])
+def draw(request):
+    """The sampler's draw: None (torch's softmax, cumsum, searchsorted) or the C++ kernel the plan hands it."""
+    return None if request.param == "torch" else _kernel()
 
 
 def seqs(n, prompt=(0,), outputs=(), **params):
@@ -23,9 +38,9 @@ def seqs(n, prompt=(0,), outputs=(), **params):
     return out
 
 
-def frequencies(n: int, **params) -> torch.Tensor:
+def frequencies(n: int, draw=None, **params) -> torch.Tensor:
     batch = seqs(n, **params)
-    ids = sample(LOGITS.repeat(n, 1), batch).token_ids
+    ids = sample(LOGITS.repeat(n, 1), batch, draw).token_ids
     return torch.bincount(torch.tensor(ids), minlength=len(LOGITS)).float() / n
 
 
@@ -35,24 +50,24 @@ def test_greedy_is_argmax_and_batch_mixes_parameters():
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_samples_follow_softmax_at_temperature(temperature):
+def test_samples_follow_softmax_at_temperature(temperature, draw):
     torch.manual_seed(0)
-    freq = frequencies(20000, temperature=temperature)
+    freq = frequencies(20000, draw, temperature=temperature)
     expected = (LOGITS / temperature).softmax(-1)
     # 20000 draws: the standard error of each frequency is below 0.0036; allow 4 sigma
     assert (freq - expected).abs().max() < 0.015
 
 
-def test_top_k_top_p_min_p_cut_the_tail():
+def test_top_k_top_p_min_p_cut_the_tail(draw):
     torch.manual_seed(1)
-    assert set(frequencies(3000, top_k=2).nonzero().flatten().tolist()) == {0, 1}
+    assert set(frequencies(3000, draw, top_k=2).nonzero().flatten().tolist()) == {0, 1}
     probs = LOGITS.softmax(-1)  # 0.57, 0.21, 0.13, 0.08, ...: top_p=0.75 keeps {0, 1}; 0.8 keeps {0, 1, 2}
-    assert set(frequencies(3000, top_p=0.75).nonzero().flatten().tolist()) == {0, 1}
-    assert set(frequencies(3000, top_p=0.8).nonzero().flatten().tolist()) == {0, 1, 2}
+    assert set(frequencies(3000, draw, top_p=0.75).nonzero().flatten().tolist()) == {0, 1}
+    assert set(frequencies(3000, draw, top_p=0.8).nonzero().flatten().tolist()) == {0, 1, 2}
     assert probs[:2].sum() < 0.8
-    kept = set(frequencies(3000, min_p=0.2).nonzero().flatten().tolist())
+    kept = set(frequencies(3000, draw, min_p=0.2).nonzero().flatten().tolist())
     assert kept == {i for i in range(6) if probs[i] >= 0.2 * probs[0]}
-    restricted = frequencies(20000, top_k=3)
+    restricted = frequencies(20000, draw, top_k=3)
     expected = LOGITS[:3].softmax(-1)
     assert (restricted[:3] - expected).abs().max() < 0.015
 
@@ -66,12 +81,12 @@ def test_penalties_exact_values():
     assert pf[1] == pytest.approx(1.0)  # presence/frequency count generated tokens only
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_seeded_rows_do_not_depend_on_the_batch(draw):
     logits = torch.randn(4, 1000)
     s = seqs(1, temperature=1.0, seed=7)
-    alone = [sample(logits[2:3], s).token_ids[0] for _ in range(5)]
+    alone = [sample(logits[2:3], s, draw).token_ids[0] for _ in range(5)]
     batch = seqs(2, temperature=0.7) + seqs(1, temperature=1.0, seed=7) + seqs(1, temperature=0)
-    in_batch = [sample(logits, batch).token_ids[2] for _ in range(5)]
+    in_batch = [sample(logits, batch, draw).token_ids[2] for _ in range(5)]
     assert in_batch == alone
     assert len(set(alone)) > 1  # really sampled, not a constant
 
@@ -122,7 +137,7 @@ def test_all_greedy_rows_on_the_host_choose_as_the_general_path(fresh_seed):
         [x[0].argmax().item(), 10, x[5].argmax().item()]
 
 
-def test_a_batch_of_sampled_rows_draws_as_the_same_rows_beside_a_greedy_one(fresh_seed):
+def test_a_batch_of_sampled_rows_draws_as_the_same_rows_beside_a_greedy_one(fresh_seed, draw):
     # every row sampled takes the logits whole; with a greedy row too, the sampled ones go as a subset: same draws
     gen = torch.Generator().manual_seed(fresh_seed)
     x = torch.randn(5, 1000, generator=gen)
@@ -132,8 +147,39 @@ def test_a_batch_of_sampled_rows_draws_as_the_same_rows_beside_a_greedy_one(fres
         rows = [Sequence("r", [0], SamplingParams(temperature=0.8, top_p=0.9, seed=fresh_seed + i)) for i in range(5)]
         return rows + ([Sequence("r", [0], SamplingParams(temperature=0))] if greedy_too else [])
 
-    alone = sample(x, batch(False))
-    mixed = sample(torch.cat([x, x[:1]]), batch(True))
+    alone = sample(x, batch(False), draw)
+    mixed = sample(torch.cat([x, x[:1]]), batch(True), draw)
     assert alone.token_ids[:2] + alone.token_ids[3:] == mixed.token_ids[:2] + mixed.token_ids[3:5]
     assert sorted(alone.errors) == sorted(mixed.errors) == [2]  # the NaN row fails alone, in both
     assert mixed.token_ids[5] == x[0].argmax().item()
+
+
+@pytest.mark.skipif(not isa.at_least("avx2"), reason="below AVX2 no C++ kernel runs (kernels/resolver.py)")
+@pytest.mark.parametrize("vocab", [1000, 49152 + 5])  # a tail past the last whole vector
+def test_the_draw_kernel_picks_what_a_float64_inverse_cdf_picks(fresh_seed, vocab):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    rows = 6
+    x = torch.randn(rows, vocab, generator=gen) * 3
+    x[1, torch.randint(0, vocab, (vocab // 2,), generator=gen)] = float("-inf")  # masked tokens: never drawn
+    x[2, :vocab - 3] = float("-inf")  # three tokens left
+    inv_t = torch.rand(rows, generator=gen) * 2 + 0.25
+    inv_t[3] = 1e-3  # nearly flat
+    for u in torch.linspace(0, 1 - 2**-24, 257).tolist():
+        uu = torch.full((rows,), u)
+        ids, invalid = _kernel()(x, inv_t, uu)
+        assert not invalid.any()
+        e = ((x.double() - x.double().max(-1, keepdim=True).values) * inv_t.double()[:, None]).exp()
+        cdf = e.cumsum(-1)
+        target = u * cdf[:, -1:]
+        want = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
+        for i in range(rows):
+            k, w = ids[i].item(), want[i].item()
+            assert x[i, k] > float("-inf"), f"row {i} drew a masked token at u={u}"
+            if k != w:  # only within float32 rounding of the boundary between the two tokens
+                edge = cdf[i, min(k, w)].item()
+                assert abs(edge - target[i].item()) < 1e-5 * cdf[i, -1].item(), (i, u, k, w)
+    # rows with no distribution are flagged: a NaN, no finite logit, a +inf logit, a temperature of zero's scale
+    bad = torch.randn(4, vocab, generator=gen)
+    bad[0, 7], bad[1], bad[2, 3] = float("nan"), float("-inf"), float("inf")
+    _, invalid = _kernel()(bad, torch.tensor([1.0, 1.0, 1.0, float("inf")]), torch.rand(4, generator=gen))
+    assert invalid.tolist() == [True, True, True, True]

@@ -525,7 +525,8 @@ class LLMEngine:
             for i in rows:
                 if seqs[i].generator is not None:
                     seqs[i].generator.set_state(states[seqs[i].seq_id])
-            return sample(logits if len(rows) == len(seqs) else logits[rows], [seqs[i] for i in rows])
+            return sample(logits if len(rows) == len(seqs) else logits[rows], [seqs[i] for i in rows],
+                          self.plan.draw_kernel)
 
         done, failed = isolate(sampling, list(range(len(seqs))))
         self._sampled_at = time.perf_counter()  # step(): what follows is output processing

@@ -54,11 +54,13 @@ class Plan:
     decode_attention: str  # cpp | triton | torch-sdpa
     prefill_attention: str  # prompt chunks: the chunk kernel (amx | avx512bf16 | avx512 | avx2) or torch-sdpa;
     # "decode" where prompt rows are decode rows
+    sampler: str  # the temperature rows' draw: cpp (kernels/sample_rows.py) | torch (softmax, cumsum, searchsorted)
     # the callables each step's attention reads (None: that part runs gather + SDPA or index_copy_)
     decode_kernel: Callable | None = field(default=None, repr=False, compare=False)
     store_kv: Callable | None = field(default=None, repr=False, compare=False)
     chunk_kernel: Callable | None = field(default=None, repr=False, compare=False)
     tuning: object = field(default=None, repr=False, compare=False)
+    draw_kernel: Callable | None = field(default=None, repr=False, compare=False)  # the sampler's, or None: torch
 
     @property
     def decode_rows_only(self) -> bool:
@@ -89,7 +91,8 @@ class Plan:
         d = {"backend": self.backend, "amx": self.amx, "cpu_class": self.cpu_class, "device": self.device,
              "dtype": self.dtype, "kv_cache": self.kv_cache, "step": self.step, "step_why": self.step_why, "layer_ops": self.layer_ops,
              "decode_attention": self.decode_attention, "prompt_rows": self.prompt_rows,
-             "prefill_attention": self.prefill_attention, "verify_rows": "decode-rows", "linears": self.linears}
+             "prefill_attention": self.prefill_attention, "verify_rows": "decode-rows", "sampler": self.sampler,
+             "linears": self.linears}
         if self.tuning is not None and self.decode_kernel is not None:  # the buckets the table runs on SDPA
             sdpa = [b for b in self.tuning.buckets if not self.decode_on_kernel(b)]
             if sdpa:
@@ -156,7 +159,8 @@ def make_plan(model, kernels, kv_dtype: torch.dtype, tuning=None, prompt_rows: s
     return Plan(kernels.backend, kernels.amx, described["isa"], str(model.device), _name(model.dtype), _name(kv_dtype),
                 described["layer_ops"], linear_kernels(model), step, model.step_path,
                 "decode-rows" if decode_rows else "chunks", described["decode_attention"], prefill,
-                kernels.decode_attention, kernels.store_kv, chunk, tuning)
+                described["sampler"], kernels.decode_attention, kernels.store_kv, chunk, tuning,
+                kernels.draw_rows)
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -3,7 +3,8 @@
 Order: logit_bias, allowed_token_ids and grammar masks (structured output), penalties, then greedy rows take the argmax; the others are scaled by
 temperature, cut by top-k, top-p and min-p, and sampled by inverse CDF, which needs one uniform number per
 row: a seeded row draws it from its own generator, so its output does not depend on what else
-is in the batch.
+is in the batch. On the CPU the draw is the plan's kernel (kernels/sample_rows.py: no normalised copy, no
+cumulative-sum array) where it built, else torch's softmax, cumsum and searchsorted: the same distribution.
 
 Rows are independent: a row whose logits are not finite (a kernel or model fault on that
 sequence) gets no token and is reported in ``SampleResult.errors``, so only its request fails.
@@ -12,7 +13,7 @@ sequence) gets no token and is reported in ``SampleResult.errors``, so only its 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -106,6 +107,12 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
+def _cuts(seqs: list[Sequence], vocab: int) -> bool:
+    """Whether any row is cut by top-k, top-p or min-p (temperature alone scales, it cuts nothing)."""
+    return any(0 < s.params.top_k < vocab or (s.params.top_p is not None and s.params.top_p < 1.0) or
+               (s.params.min_p or 0.0) > 0 for s in seqs)
+
+
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows are non-greedy).
 
@@ -151,6 +158,16 @@ def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def _draw_on_kernel(draw_kernel: Callable, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
+    """``draw``'s choice made by the C++ kernel, and which rows had no distribution: temperature-only rows hand it
+    their raw logits and 1 / temperature, so nothing is copied; rows cut by the filters are filtered first."""
+    if _cuts(seqs, logits.shape[1]):
+        logits, scale = filter_logits(logits, seqs), torch.ones(len(seqs))
+    else:
+        scale = 1.0 / _column(_values(seqs, "temperature", 1.0), logits.device)
+    return draw_kernel(logits, scale, _uniforms(seqs))
+
+
 def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's largest value and the index of its first occurrence (a NaN counts as the largest), as
     ``logits.max(-1)``. On the CPU through numpy's argmax: a 49,152-token row in ~4 us and 16 rows in ~53, where
@@ -183,8 +200,9 @@ def _greedy_on_host(raw: torch.Tensor, logits: torch.Tensor, constrained: bool) 
     return chosen.tolist(), broken.tolist(), invalid.tolist()
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+def sample(logits: torch.Tensor, seqs: list[Sequence], draw_kernel: Callable | None = None) -> SampleResult:
     """logits: [B, vocab] float32, one row per sequence that produces a token this step, on any device.
+    ``draw_kernel``: the plan's (kernels/sample_rows.py's ``draw_rows``), or None: torch's ops draw.
 
     Everything runs on the logits' device; the chosen ids and the per-row fault flags come back to the
     host in one copy (logprobs, when asked for, read more)."""
@@ -206,10 +224,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
             whole = len(sampled) == len(seqs)
             rows = slice(None) if whole else torch.tensor(sampled, device=logits.device)
             subset = seqs if whole else [seqs[i] for i in sampled]
-            probs = filter_logits(logits[rows], subset).softmax(-1)
-            chosen[rows] = draw(probs, subset)
-            # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
-            invalid[rows] |= ~torch.isfinite(probs[:, 0])
+            if draw_kernel is not None and _numpy_route(logits):
+                chosen[rows], no_distribution = _draw_on_kernel(draw_kernel, logits[rows], subset)
+                invalid[rows] |= no_distribution
+            else:
+                probs = filter_logits(logits[rows], subset).softmax(-1)
+                chosen[rows] = draw(probs, subset)
+                # a row with any NaN (from a parameter the filters cannot use) is NaN throughout after softmax
+                invalid[rows] |= ~torch.isfinite(probs[:, 0])
         token_ids, broken_rows, invalid_rows = torch.stack([chosen, broken.long(), invalid.long()]).tolist()
     errors = {}
     for i in range(len(seqs)):
