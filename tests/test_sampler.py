@@ -154,32 +154,69 @@ def test_a_batch_of_sampled_rows_draws_as_the_same_rows_beside_a_greedy_one(fres
     assert mixed.token_ids[5] == x[0].argmax().item()
 
 
+def _reference_weights(x: torch.Tensor, inv_t, top_k, top_p, min_p) -> torch.Tensor:
+    """float64 weights exp(s (x - max)) cut as filter_logits cuts them, by sorting: top-k keeps the k largest (and
+    their ties), top-p the sorted prefix whose mass first reaches top_p of what top-k kept, min-p e >= min_p."""
+    e = ((x.double() - x.double().max(-1, keepdim=True).values) * torch.tensor(inv_t).double()[:, None]).exp()
+    keep = e > 0
+    for i in range(x.shape[0]):
+        if 0 < top_k[i] < x.shape[1]:
+            keep[i] &= e[i] >= e[i].topk(top_k[i]).values[-1]
+        if top_p[i] < 1:
+            ranked = torch.where(keep[i], e[i], 0).sort(descending=True).values
+            mass = ranked.cumsum(0)
+            keep[i] &= e[i] >= ranked[int((mass < top_p[i] * mass[-1]).sum())]
+        keep[i] &= e[i] >= min_p[i]
+    return torch.where(keep, e, 0)
+
+
+def _midway_top_p(x: torch.Tensor, inv_t: float, top_k: int, near: int) -> float:
+    """A top-p that keeps exactly the r + 1 largest weights (after top-k), halfway between two cumulative masses,
+    for the r within 20 ranks of ``near`` where the weights part most (a float32 weight rounds by ~1e-7: where
+    two are closer, float32 and float64 may rank them apart, and so cut them apart)."""
+    ranked = _reference_weights(x[None], [inv_t], [top_k], [1.0], [0.0])[0].sort(descending=True).values
+    window = torch.arange(max(near - 20, 0), near + 21)
+    r = int(window[(ranked[window] / ranked[window + 1]).argmax()])
+    mass = ranked.cumsum(0) / ranked.sum()
+    return float(mass[r] + mass[r + 1]) / 2 if r > 0 else float(mass[0]) / 2
+
+
 @pytest.mark.skipif(not isa.at_least("avx2"), reason="below AVX2 no C++ kernel runs (kernels/resolver.py)")
 @pytest.mark.parametrize("vocab", [1000, 49152 + 5])  # a tail past the last whole vector
 def test_the_draw_kernel_picks_what_a_float64_inverse_cdf_picks(fresh_seed, vocab):
+    """Each row's draw over a grid of uniforms against searchsorted on float64 weights cut by sorting: every
+    filter, alone and together, masked tokens, a flat row (the radix select's deepest levels), ties."""
     gen = torch.Generator().manual_seed(fresh_seed)
-    rows = 6
-    x = torch.randn(rows, vocab, generator=gen) * 3
+    x = torch.randn(8, vocab, generator=gen) * 3
     x[1, torch.randint(0, vocab, (vocab // 2,), generator=gen)] = float("-inf")  # masked tokens: never drawn
     x[2, :vocab - 3] = float("-inf")  # three tokens left
-    inv_t = torch.rand(rows, generator=gen) * 2 + 0.25
-    inv_t[3] = 1e-3  # nearly flat
+    x[6, :5] = x[6].max() + 1  # five tokens tie for the top: top-k 3 keeps all five
+    inv_t = (torch.rand(8, generator=gen) * 2 + 0.25).tolist()
+    inv_t[3] = 0.02  # flat: weights in [0.67, 1], thousands in each of the radix select's first bins
+    top_k = [-1, 50, -1, -1, -1, 200, 3, 7]
+    rank = torch.randint(21, 60, (1,), generator=gen).item()
+    top_p = [1.0, 1.0, _midway_top_p(x[2], inv_t[2], -1, 1), _midway_top_p(x[3], inv_t[3], -1, vocab // 3),
+             1.0, _midway_top_p(x[5], inv_t[5], 200, rank), 1.0, 1.0]
+    min_p = [0.0, 0.0, 0.0, 0.0, 0.05, 0.01, 0.0, 0.0]
+    print("seed", fresh_seed, "top-p rank", rank)
+    weights = _reference_weights(x, inv_t, top_k, top_p, min_p)
+    assert (weights[6] > 0).sum() == 5 and (weights[7] > 0).sum() == 7
+    cdf = weights.cumsum(-1)
     for u in torch.linspace(0, 1 - 2**-24, 257).tolist():
-        uu = torch.full((rows,), u)
-        ids, invalid = _kernel()(x, inv_t, uu)
+        ids, invalid = _kernel()(x, torch.tensor(inv_t), torch.full((8,), u), torch.tensor(top_k),
+                                 torch.tensor(top_p), torch.tensor(min_p))
         assert not invalid.any()
-        e = ((x.double() - x.double().max(-1, keepdim=True).values) * inv_t.double()[:, None]).exp()
-        cdf = e.cumsum(-1)
         target = u * cdf[:, -1:]
         want = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp(max=vocab - 1)
-        for i in range(rows):
+        for i in range(8):
             k, w = ids[i].item(), want[i].item()
-            assert x[i, k] > float("-inf"), f"row {i} drew a masked token at u={u}"
+            assert weights[i, k] > 0, f"row {i} drew token {k}, which its filters cut (u={u})"
             if k != w:  # only within float32 rounding of the boundary between the two tokens
                 edge = cdf[i, min(k, w)].item()
                 assert abs(edge - target[i].item()) < 1e-5 * cdf[i, -1].item(), (i, u, k, w)
     # rows with no distribution are flagged: a NaN, no finite logit, a +inf logit, a temperature of zero's scale
     bad = torch.randn(4, vocab, generator=gen)
     bad[0, 7], bad[1], bad[2, 3] = float("nan"), float("-inf"), float("inf")
-    _, invalid = _kernel()(bad, torch.tensor([1.0, 1.0, 1.0, float("inf")]), torch.rand(4, generator=gen))
+    _, invalid = _kernel()(bad, torch.tensor([1.0, 1.0, 1.0, float("inf")]), torch.rand(4, generator=gen),
+                           torch.tensor([-1, 5, -1, -1]), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.zeros(4))
     assert invalid.tolist() == [True, True, True, True]

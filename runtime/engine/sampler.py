@@ -3,8 +3,9 @@
 Order: logit_bias, allowed_token_ids and grammar masks (structured output), penalties, then greedy rows take the argmax; the others are scaled by
 temperature, cut by top-k, top-p and min-p, and sampled by inverse CDF, which needs one uniform number per
 row: a seeded row draws it from its own generator, so its output does not depend on what else
-is in the batch. On the CPU the draw is the plan's kernel (kernels/sample_rows.py: no normalised copy, no
-cumulative-sum array) where it built, else torch's softmax, cumsum and searchsorted: the same distribution.
+is in the batch. On the CPU the filters and the draw are the plan's kernel (kernels/sample_rows.py: no sort, no
+normalised copy, no cumulative-sum array) where it built, else torch's sort, softmax, cumsum and searchsorted:
+the same distribution.
 
 Rows are independent: a row whose logits are not finite (a kernel or model fault on that
 sequence) gets no token and is reported in ``SampleResult.errors``, so only its request fails.
@@ -107,12 +108,6 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits
 
 
-def _cuts(seqs: list[Sequence], vocab: int) -> bool:
-    """Whether any row is cut by top-k, top-p or min-p (temperature alone scales, it cuts nothing)."""
-    return any(0 < s.params.top_k < vocab or (s.params.top_p is not None and s.params.top_p < 1.0) or
-               (s.params.min_p or 0.0) > 0 for s in seqs)
-
-
 def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as -inf masks (rows are non-greedy).
 
@@ -159,13 +154,12 @@ def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _draw_on_kernel(draw_kernel: Callable, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
-    """``draw``'s choice made by the C++ kernel, and which rows had no distribution: temperature-only rows hand it
-    their raw logits and 1 / temperature, so nothing is copied; rows cut by the filters are filtered first."""
-    if _cuts(seqs, logits.shape[1]):
-        logits, scale = filter_logits(logits, seqs), torch.ones(len(seqs))
-    else:
-        scale = 1.0 / _column(_values(seqs, "temperature", 1.0), logits.device)
-    return draw_kernel(logits, scale, _uniforms(seqs))
+    """``draw``'s choice made by the C++ kernel from the raw logits and each row's temperature, top-k, top-p and
+    min-p (it cuts them as filter_logits does, without a sort or a copy), and which rows had no distribution."""
+    column = lambda attr, default: _column(_values(seqs, attr, default), logits.device)  # noqa: E731
+    top_k = torch.tensor([min(s.params.top_k, logits.shape[1]) for s in seqs], dtype=torch.long)  # >= vocab: off
+    return draw_kernel(logits, 1.0 / column("temperature", 1.0), _uniforms(seqs), top_k, column("top_p", 1.0),
+                       column("min_p", 0.0))
 
 
 def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
