@@ -138,7 +138,8 @@ def filter_logits(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def _uniforms(seqs: list[Sequence]) -> torch.Tensor:
     """One uniform number per row, drawn on the CPU; a seeded row draws it from its own generator
-    (a CPU generator: a seed gives the same tokens whatever the device)."""
+    (a CPU generator: a seed gives the same numbers whatever the device; the tokens can differ between the CPU's
+    kernel and torch's route only where a draw falls within float32 rounding of a boundary)."""
     u = torch.rand(len(seqs))
     for i, s in enumerate(seqs):
         if s.generator is not None:
