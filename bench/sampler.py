@@ -5,9 +5,11 @@ torch's route sorts each row for top-k / top-p, then softmax, cumsum and searchs
 ``sample`` (what a server step calls), on float32 logits of the embedded model's vocabulary, for batches of
 1, 16 and 48 rows, temperature alone and with top-p 0.9 at temperature 0.7, alternating call by call;
 medians. Each route's draws are checked against the other's distribution on a small vocabulary first, so a
-fast wrong kernel cannot pass.
+fast wrong kernel cannot pass. ``--artifact`` adds what a user sees: one request's tokens per second through the
+engine (128 tokens after a short prompt, the prompt's step included), greedy, at temperature 1, and at temperature 0.7 with top-p 0.9, with the plan's
+kernel and with torch's route, alternating, medians of ``--rounds``.
 
-    python -m infer.bench.sampler [--repeats 30] [--json PATH]
+    python -m infer.bench.sampler [--repeats 30] [--artifact DIR [--rounds 3]] [--json PATH]
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def _agree(kernel, gen: torch.Generator) -> float:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument("--artifact", help="also time batch-1 decode through the engine on this artifact (bfloat16)")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=RESULTS / "sampler.json")
     args = p.parse_args(argv)
     from infer.kernels import sample_rows
@@ -80,8 +84,42 @@ def main(argv=None) -> dict:
             print(f"{name:28s} {batch:3d} rows: torch {row['torch_ms']:8.3f} ms  kernel {row['kernel_ms']:7.3f} ms"
                   f"  ({row['speedup']}x)")
     result = {"benchmark": "sampler", "seed": seed, "vocab": VOCAB, "frequency_gap": round(gap, 4), "rows": rows}
+    if args.artifact:
+        result["batch1"], result["plan"] = _batch1(args.artifact, args.rounds)
     save_json(result, args.json)
     return result
+
+
+def _batch1(artifact: str, rounds: int) -> tuple[list[dict], dict]:
+    """One request's tok/s (128 tokens after a short prompt, its step included) with the plan's draw and torch's."""
+    import dataclasses
+
+    from infer.runtime.engine.llm import LLM
+    from infer.runtime.engine.sampling_params import SamplingParams
+
+    llm = LLM(artifact, dtype="bfloat16")
+    engine, tokens = llm.engine, 128
+    routes = {"kernel": engine.plan, "torch": dataclasses.replace(engine.plan, draw_kernel=None)}
+    settings = {"greedy": {"temperature": 0.0}, **SETTINGS}
+    llm.generate("Hello", SamplingParams(max_tokens=8))  # warm
+    speeds = {(s, r): [] for s in settings for r in routes}
+    for _ in range(rounds):
+        for name, params in settings.items():
+            for route, plan in routes.items():
+                engine.plan = plan
+                start = time.perf_counter()
+                llm.generate("Tell me about the ocean.", SamplingParams(max_tokens=tokens, ignore_eos=True, **params))
+                speeds[name, route].append(tokens / (time.perf_counter() - start))
+    engine.plan = routes["kernel"]
+    rows = []
+    for name in settings:
+        row = {"setting": name, **{f"{r}_tok_s": round(statistics.median(speeds[name, r]), 1) for r in routes},
+               **{f"{r}_rounds": [round(v, 1) for v in speeds[name, r]] for r in routes}}
+        row["speedup"] = round(row["kernel_tok_s"] / row["torch_tok_s"], 2)
+        rows.append(row)
+        print(f"batch 1, {name:28s}: kernel {row['kernel_tok_s']:6.1f} tok/s  torch {row['torch_tok_s']:6.1f} tok/s"
+              f"  ({row['speedup']}x)")
+    return rows, engine.plan.describe()
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ class KernelSet:
     prefill_attention: Callable | None = None  # chunks that start a sequence: the AMX chunk kernel where AMX
     # is on, else kernels.bf16_attention's, or None: SDPA within each chunk
     amx_chunks: bool = False  # the chunk kernels are AMX tiles' (else the CPU class's, kernels/bf16_attention.py)
-    draw_rows: Callable | None = None  # kernels.sample_rows' draw (the sampler's temperature rows), or None: torch
+    draw_rows: Callable | None = None  # kernels.sample_rows' draw (the sampler's sampled rows), or None: torch
 
     def linear_kernel(self, dtype: torch.dtype) -> str:
         """How a plain linear of ``dtype`` runs: amx | blocks | onednn | torch (blocks: kernels/bf16_linear.py,

@@ -214,6 +214,10 @@ def test_the_draw_kernel_picks_what_a_float64_inverse_cdf_picks(fresh_seed, voca
             if k != w:  # only within float32 rounding of the boundary between the two tokens
                 edge = cdf[i, min(k, w)].item()
                 assert abs(edge - target[i].item()) < 1e-5 * cdf[i, -1].item(), (i, u, k, w)
+    # a column-major copy of the same logits (not unit stride along the vocabulary) draws the same tokens
+    u = torch.rand(8, generator=gen)
+    args = (torch.tensor(inv_t), u, torch.tensor(top_k), torch.tensor(top_p), torch.tensor(min_p))
+    assert torch.equal(_kernel()(x.t().contiguous().t(), *args)[0], _kernel()(x, *args)[0])
     # rows with no distribution are flagged: a NaN, no finite logit, a +inf logit, a temperature of zero's scale
     bad = torch.randn(4, vocab, generator=gen)
     bad[0, 7], bad[1], bad[2, 3] = float("nan"), float("-inf"), float("inf")

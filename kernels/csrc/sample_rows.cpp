@@ -257,10 +257,10 @@ int64_t draw_cut(const float* x, int64_t n, float m, float s, float u, int64_t t
 std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& logits, const torch::Tensor& inv_temperature,
                                                    const torch::Tensor& u, const torch::Tensor& top_k,
                                                    const torch::Tensor& top_p, const torch::Tensor& min_p) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2 &&
-                  logits.stride(1) == 1,
-              "draw_rows: logits must be float32 [rows, vocab] on the CPU with unit stride along the vocabulary");
-  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == torch::kFloat32 && logits.dim() == 2,
+              "draw_rows: logits must be float32 [rows, vocab] on the CPU");
+  const torch::Tensor values = logits.stride(1) == 1 ? logits : logits.contiguous();  // rows may be strided
+  const int64_t rows = values.size(0), n = values.size(1);
   for (const torch::Tensor* t : {&inv_temperature, &u, &top_p, &min_p}) {
     TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->numel() == rows,
                 "draw_rows: inv_temperature, u, top_p and min_p must be float32 with one value a row");
@@ -269,13 +269,13 @@ std::tuple<torch::Tensor, torch::Tensor> draw_rows(const torch::Tensor& logits, 
   const torch::Tensor scale = inv_temperature.contiguous(), draws = u.contiguous(), ks = top_k.contiguous(),
                       ps = top_p.contiguous(), mins = min_p.contiguous();
   torch::Tensor ids = torch::zeros({rows}, torch::kInt64), invalid = torch::zeros({rows}, torch::kBool);
-  const float* x = logits.data_ptr<float>();
+  const float* x = values.data_ptr<float>();
   const float *s = scale.data_ptr<float>(), *uu = draws.data_ptr<float>(), *p = ps.data_ptr<float>(),
               *mp = mins.data_ptr<float>();
   const int64_t* k = ks.data_ptr<int64_t>();
   int64_t* out = ids.data_ptr<int64_t>();
   bool* bad = invalid.data_ptr<bool>();
-  const int64_t stride = logits.stride(0);
+  const int64_t stride = values.stride(0);
   at::parallel_for(0, rows, 1, [&](int64_t first, int64_t last) {
     std::vector<float> e;
     std::vector<uint32_t> candidates;

@@ -54,7 +54,7 @@ class Plan:
     decode_attention: str  # cpp | triton | torch-sdpa
     prefill_attention: str  # prompt chunks: the chunk kernel (amx | avx512bf16 | avx512 | avx2) or torch-sdpa;
     # "decode" where prompt rows are decode rows
-    sampler: str  # the temperature rows' draw: cpp (kernels/sample_rows.py) | torch (softmax, cumsum, searchsorted)
+    sampler: str  # sampled rows' filters and draw: cpp (kernels/sample_rows.py) | torch (sort, softmax, cumsum, ...)
     # the callables each step's attention reads (None: that part runs gather + SDPA or index_copy_)
     decode_kernel: Callable | None = field(default=None, repr=False, compare=False)
     store_kv: Callable | None = field(default=None, repr=False, compare=False)
