@@ -6,8 +6,9 @@ torch's route sorts each row for top-k / top-p, then softmax, cumsum and searchs
 1, 16 and 48 rows, temperature alone and with top-p 0.9 at temperature 0.7, alternating call by call;
 medians. Each route's draws are checked against the other's distribution on a small vocabulary first, so a
 fast wrong kernel cannot pass. ``--artifact`` adds what a user sees: one request's tokens per second through the
-engine (128 tokens after a short prompt, the prompt's step included), greedy, at temperature 1, and at temperature 0.7 with top-p 0.9, with the plan's
-kernel and with torch's route, alternating, medians of ``--rounds``.
+engine (128 tokens after a short prompt, the prompt's step included), greedy, at temperature 1, and at temperature
+0.7 with top-p 0.9: with the plan's kernel as served (sampled rows in decode bursts too), with it a step at a time,
+and with torch's route, alternating, medians of ``--rounds``.
 
     python -m infer.bench.sampler [--repeats 30] [--artifact DIR [--rounds 3]] [--json PATH]
 """
@@ -99,26 +100,30 @@ def _batch1(artifact: str, rounds: int) -> tuple[list[dict], dict]:
 
     llm = LLM(artifact, dtype="bfloat16")
     engine, tokens = llm.engine, 128
-    routes = {"kernel": engine.plan, "torch": dataclasses.replace(engine.plan, draw_kernel=None)}
+    # (plan, decode_burst): the kernel as served (sampled rows burst on it too), the kernel a step at a time, and
+    # torch's route (which sampled rows cannot burst on)
+    bursts = engine.config.decode_burst
+    routes = {"kernel": (engine.plan, bursts), "kernel_steps": (engine.plan, 1),
+              "torch": (dataclasses.replace(engine.plan, draw_kernel=None), bursts)}
     settings = {"greedy": {"temperature": 0.0}, **SETTINGS}
     llm.generate("Hello", SamplingParams(max_tokens=8))  # warm
     speeds = {(s, r): [] for s in settings for r in routes}
     for _ in range(rounds):
         for name, params in settings.items():
-            for route, plan in routes.items():
-                engine.plan = plan
+            for route, (plan, burst) in routes.items():
+                engine.plan, engine.config.decode_burst = plan, burst
                 start = time.perf_counter()
                 llm.generate("Tell me about the ocean.", SamplingParams(max_tokens=tokens, ignore_eos=True, **params))
                 speeds[name, route].append(tokens / (time.perf_counter() - start))
-    engine.plan = routes["kernel"]
+    engine.plan, engine.config.decode_burst = routes["kernel"]
     rows = []
     for name in settings:
         row = {"setting": name, **{f"{r}_tok_s": round(statistics.median(speeds[name, r]), 1) for r in routes},
                **{f"{r}_rounds": [round(v, 1) for v in speeds[name, r]] for r in routes}}
         row["speedup"] = round(row["kernel_tok_s"] / row["torch_tok_s"], 2)
         rows.append(row)
-        print(f"batch 1, {name:28s}: kernel {row['kernel_tok_s']:6.1f} tok/s  torch {row['torch_tok_s']:6.1f} tok/s"
-              f"  ({row['speedup']}x)")
+        print(f"batch 1, {name:28s}: kernel {row['kernel_tok_s']:6.1f} tok/s (a step at a time "
+              f"{row['kernel_steps_tok_s']:6.1f})  torch {row['torch_tok_s']:6.1f} tok/s  ({row['speedup']}x)")
     return rows, engine.plan.describe()
 
 

@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=_at_least(1), default=1024,
                    help="most tokens one step computes; longer prompts are prefilled in chunks (default 1024)")
     p.add_argument("--decode-burst", type=_at_least(1), default=8,
-                   help="a step of plain greedy decodes with no request waiting runs up to this many decode steps "
+                   help="a step of plain decodes (greedy, or sampled by temperature, top-k, top-p, min-p alone) with no "
+                        "request waiting runs up to this many decode steps "
                         "back to back (at most ~50 ms of them), without the scheduler and sampler between them: "
                         "the same tokens, streamed a burst at a time (default 8; 1: off)")
     p.add_argument("--prefill-batch-tokens", type=_at_least(0), default=128,

@@ -1,7 +1,8 @@
-"""Decode bursts (LLMEngine._burst): plain greedy decodes run several steps back to back in one engine step.
-Against the same engine stepping one token at a time: the same tokens, texts and finish reasons, with stop tokens
-and stop strings landing inside a burst; streamed deltas that add up to the text; no burst where any request in
-the batch needs the sampler, or a request waits; a row whose logits turn non-finite fails its own request alone."""
+"""Decode bursts (LLMEngine._burst): plain greedy decodes, and sampled ones whose only parameters are temperature,
+top-k, top-p and min-p, run several steps back to back in one engine step. Against the same engine stepping one
+token at a time: the same tokens (seeded draws included), texts and finish reasons, with stop tokens and stop strings
+landing inside a burst; streamed deltas that add up to the text; no burst where any request in the batch needs more
+of the sampler, or a request waits; a row whose logits turn non-finite fails its own request alone."""
 
 from __future__ import annotations
 
@@ -87,10 +88,35 @@ def test_bursts_give_single_steps_tokens_texts_and_stops(llm, fresh_seed):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks  # nothing leaked
 
 
-def test_no_burst_where_a_request_needs_the_sampler_or_one_waits(llm, fresh_seed):
+def test_seeded_sampled_rows_burst_to_the_single_steps_tokens(llm, fresh_seed):
+    """Sampled rows burst on the sampler's draw kernel with the uniforms single steps would draw: seeded requests give
+    the same tokens either way, also when another row's stop token ends a burst early (each seeded generator moves by
+    the steps the burst ran, no more)."""
+    assert llm.engine.plan.draw_kernel is not None, "the sampler's C++ draw did not build"
+    texts = prompts(llm, 4, fresh_seed)
+    probe, _, _ = run(llm, [(texts[0], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))], burst=1)
+    stop_token = probe["r0"].token_ids[5]
+    requests = [(texts[0], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_token])),
+                (texts[1], SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=fresh_seed, ignore_eos=True)),
+                (texts[2], SamplingParams(max_tokens=30, temperature=1.0, seed=fresh_seed + 1, ignore_eos=True)),
+                (texts[3], SamplingParams(max_tokens=30, temperature=0.7, top_k=20, min_p=0.05, seed=fresh_seed + 2,
+                                          ignore_eos=True))]
+    single, _, single_steps = run(llm, requests, burst=1)
+    burst, burst_deltas, burst_steps = run(llm, requests, burst=8)
+    for rid, want in single.items():
+        got = burst[rid]
+        assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason), rid
+        assert burst_deltas[rid][1] == got.token_ids
+    assert single["r0"].finish_reason == "stop" and len(single["r0"].token_ids) <= 6  # ended a burst early
+    assert len(set(single["r2"].token_ids)) > 5  # really sampled
+    assert single_steps[0] == single_steps[1] and burst_steps[1] < burst_steps[0], (single_steps, burst_steps)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_no_burst_where_a_request_needs_more_of_the_sampler_or_one_waits(llm, fresh_seed):
     texts = prompts(llm, 3, fresh_seed)
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    for other in (SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
+    for other in (SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True, presence_penalty=0.5),
                   SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=2),
                   SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, repetition_penalty=1.3),
                   SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logit_bias={11: 5.0})):

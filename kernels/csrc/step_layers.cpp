@@ -28,6 +28,7 @@
 #include "chunk_checks.h"
 #include "float_storage.h"
 #include "prefetch.h"
+#include "sample_rows.h"
 #include "simd_math.h"
 #include "work_split.h"
 
@@ -276,17 +277,21 @@ int64_t finite_argmax(const float* row, int64_t vocab) {
   return -1;
 }
 
-// Up to `steps` decode steps of a batch of decodes back to back, each row's next input its own argmax: the engine's
+// Up to `steps` decode steps of a batch of decodes back to back, each row's next input its own choice: the engine's
 // decode bursts (runtime/engine/engine.py). A step embeds each row's token, runs step_layers, the model's final
-// norm and its LM head (float32 logits, the bfloat16 column blocks' or AMX tiles'), then takes each row's argmax
-// (finite_argmax). Each row r's first step is at position first_positions[r], its blocks (every step's) in
-// block_tables; stops[r]: its stop tokens. Ends after a step where a row chose one of its stops, and before a step
-// where a row's logits are not finite. Returns the steps' tokens, [steps done, rows] int64.
+// norm and its LM head (float32 logits, the bfloat16 column blocks' or AMX tiles'), then takes each row's token: its
+// argmax (finite_argmax), or for a sampled row the sampler's draw (sample_rows.h, the kernel the engine's sampler
+// runs) with draws[step, r] as its uniform and its inv_temperature, top_k, top_p and min_p (sampled: an
+// inv_temperature above 0; draws empty: every row greedy). Each row r's first step is at position
+// first_positions[r], its blocks (every step's) in block_tables; stops[r]: its stop tokens. Ends after a step where
+// a row chose one of its stops, and before a step where a row's logits are not finite (or leave a sampled row no
+// distribution). Returns the steps' tokens, [steps done, rows] int64.
 torch::Tensor decode_steps(torch::Tensor tokens, torch::Tensor first_positions, const StepWeights& step_weights,
                            torch::Tensor kv_cache, torch::Tensor block_tables, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor embedding, torch::Tensor norm_weight, torch::Tensor head, int64_t vocab,
                            std::vector<std::vector<int64_t>> stops, int64_t steps, int64_t heads, int64_t kv_heads,
-                           int64_t head_dim, int64_t intermediate, double eps) {
+                           int64_t head_dim, int64_t intermediate, double eps, torch::Tensor draws,
+                           torch::Tensor inv_temperature, torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p) {
   const int64_t rows = tokens.numel(), block_size = kv_cache.size(3);
   TORCH_CHECK(tokens.scalar_type() == at::kLong && first_positions.scalar_type() == at::kLong &&
                   first_positions.numel() == rows && block_tables.scalar_type() == at::kLong &&
@@ -301,6 +306,19 @@ torch::Tensor decode_steps(torch::Tensor tokens, torch::Tensor first_positions, 
   for (int64_t r = 0; r < rows; ++r)
     TORCH_CHECK(first[r] >= 0 && first[r] + steps <= width * block_size,
                 "decode_steps: row ", r, "'s blocks do not hold its ", steps, " steps");
+  const bool sampling = draws.numel() > 0;
+  if (sampling) {
+    TORCH_CHECK(draws.scalar_type() == at::kFloat && draws.is_contiguous() && draws.dim() == 2 &&
+                    draws.size(0) >= steps && draws.size(1) == rows,
+                "decode_steps: draws must be float32 [steps, rows], contiguous");
+    for (const torch::Tensor* t : {&inv_temperature, &top_p, &min_p})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == rows,
+                  "decode_steps: inv_temperature, top_p and min_p must be float32, one a row");
+    TORCH_CHECK(top_k.scalar_type() == at::kLong && top_k.is_contiguous() && top_k.numel() == rows,
+                "decode_steps: top_k must be int64, one a row");
+  }
+  std::vector<float> weights_scratch;
+  std::vector<uint32_t> candidates;
   const auto longs = tokens.options();
   torch::Tensor ids = tokens.clone(), positions = torch::empty({rows}, longs), slots = torch::empty({rows}, longs);
   torch::Tensor lens = torch::empty({rows}, longs), decode_rows = torch::arange(rows, longs);
@@ -331,7 +349,14 @@ torch::Tensor decode_steps(torch::Tensor tokens, torch::Tensor first_positions, 
       logits = linear::bf16_linear(h, head, vocab, c10::nullopt, true);
     }
     std::vector<int64_t> chosen(rows);
-    for (int64_t r = 0; r < rows; ++r) chosen[r] = finite_argmax(logits.data_ptr<float>() + r * vocab, vocab);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits.data_ptr<float>() + r * vocab;
+      const float s = sampling ? inv_temperature.data_ptr<float>()[r] : 0.0f;
+      chosen[r] = s > 0.0f ? infer::sampling::draw_row(row, vocab, s, draws.data_ptr<float>()[done * rows + r],
+                                                        top_k.data_ptr<int64_t>()[r], top_p.data_ptr<float>()[r],
+                                                        min_p.data_ptr<float>()[r], weights_scratch, candidates)
+                           : finite_argmax(row, vocab);
+    }
     if (std::find(chosen.begin(), chosen.end(), -1) != chosen.end()) break;
     out.insert(out.end(), chosen.begin(), chosen.end());
     std::memcpy(ids.data_ptr<int64_t>(), chosen.data(), rows * sizeof(int64_t));
@@ -353,7 +378,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL: a server's event loop keeps streaming while the engine thread runs a step
   m.def("step_layers", &step_layers, "every decoder layer of a step: prompt chunks and decodes (CPU, bfloat16)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("decode_steps", &decode_steps, "decode steps back to back, each row's next token its argmax (CPU, bfloat16)",
+  m.def("decode_steps", &decode_steps, "decode steps back to back, each row's next token its argmax or draw (CPU, bfloat16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("available", [] { return linear::available(); }, "whether the column-block linears are built in");
   m.def("has_chunk_attention", [] { return chunk::available(); },

@@ -85,8 +85,9 @@ class EngineConfig:
     speculative_draft_memory: int = 256 << 20
     # tenancy: tenants' weights and running caps, the per-step prompt budget (infer-run --tenants; None: one tenant)
     fairness: Fairness | None = None
-    # decode bursts: a step of plain greedy decodes with nothing waiting runs up to this many decode steps back to
-    # back (and at most BURST_SECONDS of them), without the scheduler and sampler between them (LLMEngine._burst); 1: off
+    # decode bursts: a step of plain decodes (greedy, or sampled by temperature, top-k, top-p, min-p alone) with nothing
+    # waiting runs up to this many decode steps back to back (and at most BURST_SECONDS of them), without the
+    # scheduler and the Python sampler between them (LLMEngine._burst); 1: off
     decode_burst: int = 8
 
 
@@ -437,18 +438,20 @@ class LLMEngine:
 
     def _burst(self, batch, t_start: float, wall: float) -> list[RequestOutput] | None:
         """A decode-only step as a burst of up to ``decode_burst`` steps (ModelRunner.run_burst), where nothing else
-        would differ between them: no request waiting to join, no speculation, and every sequence greedy with
-        nothing that moves or reads its logits but the argmax (no penalties, bias, allowed tokens, grammar or
-        logprobs). Between single steps, the scheduler, the sampler and output processing cost a batch-1 step of
-        the embedded model 0.5-0.8 ms, run after the step's weights have pushed their code and data out of the
-        caches (bursts: W4A16 3.40 against 3.87 ms a token, bfloat16 8.75 against 9.54, Zen 5; docs/serving.md).
-        The tokens are the steps' own (same kernels, same argmax) and go through the same stop checks, one at a
-        time; a sequence that stops ends the burst after that step. None: the step runs as one step (also when
+        would differ between them: no request waiting to join, no speculation, and every sequence's token its argmax
+        or (with the plan's draw kernel) its draw from temperature, top-k, top-p and min-p, with nothing else that
+        moves or reads its logits (no penalties, bias, allowed tokens, grammar or logprobs): a sampled row's uniforms
+        are drawn before the burst as single steps would draw them (_burst_draws). Between single steps, the
+        scheduler, the sampler and output processing cost a batch-1 step of the embedded model 0.5-0.8 ms, run after
+        the step's weights have pushed their code and data out of the caches (bursts: W4A16 3.40 against 3.87 ms a
+        token, bfloat16 8.75 against 9.54, Zen 5; docs/serving.md). The tokens are the steps' own (same kernels, same
+        argmax or draw) and go through the same stop checks, one at a time; a sequence that stops ends the burst
+        after that step. None: the step runs as one step (also when
         the burst computed nothing to keep)."""
         seqs = batch.seqs
-        # without a proposer no sequence holds a draft; a sampled row, the common refusal, is checked first
+        # without a proposer no sequence holds a draft; a row the burst cannot choose for is checked first
         if (self.config.decode_burst < 2 or self.proposer is not None or self.scheduler.waiting
-                or not all(self._bursts(s) for s in seqs)
+                or not all(self._bursts(s, self.plan.draw_kernel is not None) for s in seqs)
                 or not all(n == 1 and s.runs_as_decode(1) for s, n in zip(seqs, batch.num_tokens))
                 or not self.runner.bursts(len(seqs))):
             return None
@@ -460,12 +463,17 @@ class LLMEngine:
         if steps < 2 or not self.scheduler.reserve(seqs, steps - 1):
             return None
         stops = [set(s.params.stop_token_ids) | (set() if s.params.ignore_eos else self.eos_token_ids) for s in seqs]
+        draws, states = self._burst_draws(seqs, steps)
         t_model = time.perf_counter()
         try:
-            tokens = self.runner.run_burst(seqs, steps, stops)
+            tokens = self.runner.run_burst(seqs, steps, stops, draws)
         except Exception as e:  # the single step runs it again and fails what fails there alone
             log.warning("a decode burst failed (%s); running the step alone", _describe(e))
             tokens = []
+        for seq, state in states:  # a seeded row's generator moves by the steps that used its draws only
+            seq.generator.set_state(state)
+            for _ in tokens:
+                torch.rand(1, generator=seq.generator)
         if not tokens:
             return None
         t_sample = time.perf_counter()
@@ -497,11 +505,29 @@ class LLMEngine:
         return outputs
 
     @staticmethod
-    def _bursts(seq: Sequence) -> bool:
-        """Whether this sequence's next tokens are its greedy argmax alone, with nothing per token but stop checks."""
+    def _bursts(seq: Sequence, draws: bool) -> bool:
+        """Whether this sequence's next tokens are its greedy argmax alone or (``draws``: the plan has the sampler's
+        draw kernel) the draw from its temperature, top-k, top-p and min-p alone, with nothing per token but stop
+        checks: no penalties, bias, allowed tokens, grammar or logprobs."""
         p = seq.params
-        return (p.argmax_decides and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
-                and seq.constraint is None)
+        return ((p.argmax_decides or (draws and not p.greedy and not p.penalized)) and p.logprobs is None
+                and not p.logit_bias and p.allowed_token_ids is None and seq.constraint is None)
+
+    @staticmethod
+    def _burst_draws(seqs: list[Sequence], steps: int) -> tuple[torch.Tensor | None, list]:
+        """A burst's uniforms, [steps, rows], the ones single steps would draw (the sampler's _uniforms: a seeded
+        row's from its own generator, one a step), or None where every row is greedy; and each seeded row's
+        generator state before them, which the burst rewinds to and then moves by the steps it ran."""
+        if all(s.params.greedy for s in seqs):
+            return None, []
+        draws = torch.rand(steps, len(seqs))
+        states = []
+        for r, seq in enumerate(seqs):
+            if seq.generator is not None and not seq.params.greedy:
+                states.append((seq, seq.generator.get_state()))
+                for step in range(steps):
+                    draws[step, r] = torch.rand(1, generator=seq.generator)
+        return draws, states
 
     def _advance(self, seq: Sequence, n: int, result: StepOutput) -> None:
         """Marks ``n`` more tokens of ``seq`` computed: prompt logprobs, counters, the prefix cache."""

@@ -267,18 +267,27 @@ class ModelRunner:
                 and fused.bursts and self.plan.decode_on_kernel(rows) and self.plan.route(0, rows) == (ONE_CALL,))
 
     @torch.inference_mode()
-    def run_burst(self, seqs: list[Sequence], steps: int, stops: list[set[int]]) -> list[list[int]]:
+    def run_burst(self, seqs: list[Sequence], steps: int, stops: list[set[int]],
+                  draws: torch.Tensor | None = None) -> list[list[int]]:
         """Up to ``steps`` decode steps of ``seqs`` back to back in one C++ call (FusedStep.burst), each row's next
-        input its own argmax (the greedy sampler's choice), with nothing between the steps but the model, its LM
-        head and the argmax: the tokens of each step, a list a step with a token a sequence. Every sequence decodes
-        (its last token not yet in the cache), samples greedily with nothing moving its argmax, and has blocks for
-        ``steps`` tokens (the scheduler's reserve). Ends early after a step where a row chose one of its ``stops``,
-        and before one where a row's logits are not finite (that step's tokens are not returned: the engine's
-        sampler reports the row)."""
+        input its own argmax (the greedy sampler's choice) or, for a sampled row, the sampler's draw with
+        ``draws[step, row]`` as its uniform (the plan's draw kernel, with the row's temperature, top-k, top-p and
+        min-p), with nothing between the steps but the model, its LM head and that choice: the tokens of each step,
+        a list a step with a token a sequence. Every sequence decodes (its last token not yet in the cache), has
+        nothing that moves or reads its logits but that choice, and has blocks for ``steps`` tokens (the scheduler's
+        reserve). Ends early after a step where a row chose one of its ``stops``, and before one where a row's
+        logits are not finite (that step's tokens are not returned: the engine's sampler reports the row)."""
         self._threads(len(seqs))
+        sampling = None
+        if draws is not None:
+            params = [s.params for s in seqs]
+            floats = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
+            sampling = (draws.contiguous(), floats([0.0 if p.greedy else 1.0 / p.temperature for p in params]),
+                        torch.tensor([min(p.top_k, self.model.config.vocab_size) for p in params], dtype=torch.long),
+                        floats([p.top_p for p in params]), floats([p.min_p for p in params]))
         return self.model.fused_step.burst(self.kv_cache, [s.token_ids[-1] for s in seqs],
                                            [s.num_computed_tokens for s in seqs], _padded([s.block_table for s in seqs]),
-                                           [sorted(stop) for stop in stops], steps)
+                                           [sorted(stop) for stop in stops], steps, sampling)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import torch
 
+# decode_steps' sampling arguments for a burst of greedy rows: no draws
+_GREEDY = (torch.empty(0, 0), torch.empty(0), torch.empty(0, dtype=torch.long), torch.empty(0), torch.empty(0))
+
 
 class FusedStep:
     def __init__(self, model, kernels):
@@ -139,15 +142,16 @@ class FusedStep:
         return self.head is not None
 
     def burst(self, kv_cache: torch.Tensor, tokens: list[int], first_positions: list[int], block_tables: torch.Tensor,
-              stops: list[list[int]], steps: int) -> list[list[int]]:
-        """Up to ``steps`` decode steps of these rows back to back, each row's next token its argmax, in one C++ call
-        (kernels/csrc/step_layers.cpp decode_steps): the tokens a step."""
+              stops: list[list[int]], steps: int, sampling: tuple[torch.Tensor, ...] | None = None) -> list[list[int]]:
+        """Up to ``steps`` decode steps of these rows back to back, each row's next token its argmax or, with
+        ``sampling`` (draws [steps, rows] uniforms, then a row each: 1 / temperature (0: greedy), top-k, top-p,
+        min-p), the sampler's draw, in one C++ call (kernels/csrc/step_layers.cpp decode_steps): the tokens a step."""
         heads, kv_heads, head_dim, intermediate, eps = self.dims
         out = self.module.decode_steps(torch.tensor(tokens, dtype=torch.long),
                                        torch.tensor(first_positions, dtype=torch.long), self.weights, kv_cache,
                                        block_tables, self.rotary.cos, self.rotary.sin, self.embedding, self.norm.weight,
                                        self.head, self.vocab, stops, steps, heads, kv_heads, head_dim, intermediate,
-                                       eps)
+                                       eps, *(sampling or _GREEDY))
         return out.tolist()
 
     def _starts(self, ctx) -> torch.Tensor:
