@@ -284,7 +284,8 @@ class ModelRunner:
             floats = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
             sampling = (draws.contiguous(), floats([0.0 if p.greedy else 1.0 / p.temperature for p in params]),
                         torch.tensor([min(p.top_k, self.model.config.vocab_size) for p in params], dtype=torch.long),
-                        floats([p.top_p for p in params]), floats([p.min_p for p in params]))
+                        floats([1.0 if p.top_p is None else p.top_p for p in params]),
+                        floats([p.min_p or 0.0 for p in params]))  # None: off, as the sampler reads them
         return self.model.fused_step.burst(self.kv_cache, [s.token_ids[-1] for s in seqs],
                                            [s.num_computed_tokens for s in seqs], _padded([s.block_table for s in seqs]),
                                            [sorted(stop) for stop in stops], steps, sampling)
