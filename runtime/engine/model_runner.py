@@ -26,6 +26,7 @@ from infer.kernels.cuda_graphs import DEFAULT_BUCKETS, DecodeInputs, GraphRunner
 
 from .attention import PagedAttention, PrefillChunk
 from .plan import ONE_CALL, kv_cache_dtype, make_plan, sliding_window
+from .sampler import kernel_params
 from ..model import Transformer
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
@@ -279,13 +280,8 @@ class ModelRunner:
         logits are not finite (that step's tokens are not returned: the engine's sampler reports the row)."""
         self._threads(len(seqs))
         sampling = None
-        if draws is not None:
-            params = [s.params for s in seqs]
-            floats = lambda values: torch.tensor(values, dtype=torch.float32)  # noqa: E731
-            sampling = (draws.contiguous(), floats([0.0 if p.greedy else 1.0 / p.temperature for p in params]),
-                        torch.tensor([min(p.top_k, self.model.config.vocab_size) for p in params], dtype=torch.long),
-                        floats([1.0 if p.top_p is None else p.top_p for p in params]),
-                        floats([p.min_p or 0.0 for p in params]))  # None: off, as the sampler reads them
+        if draws is not None:  # the same per-row parameters the sampler hands the kernel
+            sampling = (draws.contiguous(), *kernel_params(seqs, self.model.config.vocab_size))
         return self.model.fused_step.burst(self.kv_cache, [s.token_ids[-1] for s in seqs],
                                            [s.num_computed_tokens for s in seqs], _padded([s.block_table for s in seqs]),
                                            [sorted(stop) for stop in stops], steps, sampling)

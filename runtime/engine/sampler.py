@@ -154,13 +154,22 @@ def draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def kernel_params(seqs: list[Sequence], vocab: int) -> tuple[torch.Tensor, ...]:
+    """Each row's parameters as the draw kernel takes them (kernels/csrc/sample_rows.h), CPU tensors: 1 / temperature
+    (0 for a greedy row: a decode burst takes its argmax), top-k (clamped to the vocabulary: at or above it, off),
+    top-p and min-p (None: off)."""
+    inv_temperature = [0.0 if s.params.greedy else 1.0 / t for s, t in zip(seqs, _values(seqs, "temperature", 1.0))]
+    return (torch.tensor(inv_temperature, dtype=torch.float32),
+            torch.tensor([min(s.params.top_k, vocab) for s in seqs], dtype=torch.long),
+            _column(_values(seqs, "top_p", 1.0), torch.device("cpu")),
+            _column(_values(seqs, "min_p", 0.0), torch.device("cpu")))
+
+
 def _draw_on_kernel(draw_kernel: Callable, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, ...]:
     """``draw``'s choice made by the C++ kernel from the raw logits and each row's temperature, top-k, top-p and
     min-p (it cuts them as filter_logits does, without a sort or a copy), and which rows had no distribution."""
-    column = lambda attr, default: _column(_values(seqs, attr, default), logits.device)  # noqa: E731
-    top_k = torch.tensor([min(s.params.top_k, logits.shape[1]) for s in seqs], dtype=torch.long)  # >= vocab: off
-    return draw_kernel(logits, 1.0 / column("temperature", 1.0), _uniforms(seqs), top_k, column("top_p", 1.0),
-                       column("min_p", 0.0))
+    inv_temperature, top_k, top_p, min_p = kernel_params(seqs, logits.shape[1])
+    return draw_kernel(logits, inv_temperature, _uniforms(seqs), top_k, top_p, min_p)
 
 
 def row_max(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
