@@ -32,6 +32,8 @@ def test_the_w8a8_kernel_never_uses_a_saturating_product():
     assert ("vpdpbusd" in listing) == MODULE.has_vnni() and ("vpmaddwd" in listing or MODULE.has_vnni())
     if isa.active() == "avx2":
         assert "zmm" not in listing  # the class's own target: no AVX-512 instruction
+    # AMX-INT8 tiles for prompt chunks exactly where the class is amx (forced lower, the build holds none)
+    assert ("tdpbusd" in listing) == (isa.active() == "amx") == MODULE.w8a8_amx()
 
 
 def _weight(n, k, gen):
@@ -49,6 +51,8 @@ SHAPES = [
     (15, 1088, 1536, False),  # wide blocks with a partial one; the last row count split in advance
     (16, 40, 256, True),  # the first that takes work items from the counter
     (70, 96, 64, False),  # prompt-chunk rows in tiles, and their remainders
+    (33, 3072, 576, True),  # AMX-INT8 (where the class is amx): one row in a second row tile, wide blocks
+    (100, 100, 1536, False),  # AMX-INT8: a partial 32-column block, work items of 64 rows and a rest of 36
 ]
 
 
@@ -113,15 +117,17 @@ def test_w8a8_computes_the_declared_scheme(m, n, k, bias, fresh_seed):
 
 
 @needs_kernel
-def test_w8a8_sums_are_exact_at_the_code_extremes():
+@pytest.mark.parametrize("m, k", [(2, 4096 + 8), (40, 4096 + 64)])  # decode rows; a prompt chunk (AMX-INT8 on amx)
+def test_w8a8_sums_are_exact_at_the_code_extremes(m, k):
     """Every product -128 x -128 (or 127 x -128): int16 pair sums of 32768 and int32 sums of K x 16384, which
-    an int16-saturating instruction or a float32 sum would not carry exactly."""
-    n, k = 64, 4096 + 8  # sums past 2^24 and 2^26: float32 cannot hold every integer there
+    an int16-saturating instruction or a float32 sum would not carry exactly (K: sums past 2^24 and 2^26, where
+    float32 cannot hold every integer)."""
+    n = 64
     q = torch.full((n, k), -128, dtype=torch.int8)
     q[1::2, ::3] = 127
     scale = torch.ones(n)
-    x = torch.full((2, k), -1.5).to(torch.bfloat16)  # codes -128 throughout (-127.5 exactly, rounded to even)
-    x[1, ::2] = 1.5  # codes +127 on half
+    x = torch.full((m, k), -1.5).to(torch.bfloat16)  # codes -128 throughout (-127.5 exactly, rounded to even)
+    x[1::2, ::2] = 1.5  # codes +127 on half of every other row
     packed, scales, colsums = int8_linear.pack_w8a8(q, scale)
     got = MODULE.w8a8_linear(x, packed, scales, colsums, n, None)
     ref, codes, xs = _torch_w8a8(x, q, scale)

@@ -13,6 +13,8 @@
 //   (two products of at most 128 x 128 never leave int32); vpmaddubsw is not used (it saturates at int16).
 //   With AVX-512 VNNI, vpdpbusd multiplies unsigned x signed bytes: the activations are offset to
 //   u = q + 128 and 128 x sum_k w[k, col], precomputed at pack time, is subtracted from each column's sum.
+//   Where the build targets AMX (the `amx` class), prompt chunks run on AMX-INT8 tiles (tdpbusd) over the same
+//   packed weights and codes, exact int32 sums again (amx_rows_of_block8).
 // - FP8 (`fp8_linear`): fp8 e4m3 weights with per-channel scales and dynamic per-token e4m3 activations
 //   (compressed-tensors' FP8_DYNAMIC: scale = absmax / 448 in float32, codes = the float32 x / scale clamped
 //   to +-448 and rounded to e4m3, to nearest, ties to even, as torch converts). Each weight byte is decoded in
@@ -39,6 +41,9 @@
 #include <torch/extension.h>
 
 #include "call_buffer.h"
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include "amx_tiles.h"
+#endif
 #include "float_storage.h"
 #include "prefetch.h"
 #include "simd_math.h"
@@ -748,6 +753,75 @@ inline void rows_of_block8(const W8A8Args& a, int64_t blk, int64_t r, int64_t r1
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// W8A8 on AMX-INT8 (tdpbusd), for prompt chunks where the build targets AMX (the `amx` class): the same packed
+// weights and the same offset codes as vpdpbusd, since an A tile is 16 rows of 64 unsigned bytes (a row's codes
+// + 128, k in order) and a B tile 16 quads of 16 columns' 4 signed bytes, which is [K/4][W][4] read 64 bytes a
+// quad at a stride of 4 W. Sums are exact int32 as with VNNI; the epilogue is tile8's, so both give the same bits.
+constexpr int64_t kAmxMinRows = 16;       // fewer rows (a decode step) stream on VNNI: they are bandwidth-bound
+constexpr int64_t kAmxRowChunk = 64;      // rows a work item (a multiple of the 32 a tile pair holds)
+
+// Whether this process may use AMX tile data (asked once; refused: VNNI throughout)
+inline bool amx_granted() {
+  static const bool granted = infer::enable_amx();
+  return granted;
+}
+
+// Rows r .. r1 of one block on tiles: per 32 output columns, per 32 rows, C tiles 0-3 (2 row x 2 column tiles),
+// A tiles 4-5 (rows of codes), B tiles 6-7 (weights). xu: the rows' codes + 128, ldx bytes apart, readable for 32
+// rows past r1 (the buffer is padded) so a partial row tile loads; rows past r1 are never stored.
+template <int V>
+void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64_t blk, int64_t r, int64_t r1) {
+  constexpr int64_t kCols = V * kLanes;
+  infer::configure_tiles();
+  const int64_t ldw = 4 * a.width, kblocks = a.quads / 16;
+  const int8_t* wb = a.w + blk * a.quads * ldw;
+  alignas(64) int32_t out[32][32];
+  for (int64_t c0 = 0; c0 < kCols; c0 += 32) {
+    for (int64_t i = r; i < r1; i += 32) {
+      const bool two = i + 16 < r1;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        const int8_t* w = wb + kb * 16 * ldw + c0 * 4;
+        _tile_loadd(6, w, ldw);
+        _tile_loadd(7, w + 64, ldw);
+        _tile_loadd(4, xu + i * ldx + kb * 64, ldx);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, xu + (i + 16) * ldx + kb * 64, ldx);
+          _tile_dpbusd(2, 5, 6);
+          _tile_dpbusd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, &out[0][0], 128);
+      _tile_stored(1, &out[0][16], 128);
+      if (two) {
+        _tile_stored(2, &out[16][0], 128);
+        _tile_stored(3, &out[16][16], 128);
+      }
+      const int64_t rows = std::min<int64_t>(32, r1 - i);
+      for (int64_t j = 0; j < 32; j += kLanes) {
+        const int64_t col = blk * a.width + c0 + j;
+        if (col >= a.n) break;
+        const vf ws = vload(a.scale + col);
+        const vi offset = vload_i32(a.colsum + col);
+        for (int64_t q = 0; q < rows; ++q) {
+          const vf s = vmul(vbroadcast(a.xscale + i + q), ws);
+          store_row(vcvt(vsub32(vload_i32(&out[q][j]), offset)), s, a.bias, a.y + (i + q) * a.n, col, a.n);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
 
 namespace {
@@ -856,7 +930,13 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t m = in.m, k = in.k, quads = k / 4;
   // each row's codes, laid out as the tiles broadcast them
   const int64_t xwords = kVnni ? quads : 2 * quads;
-  int32_t* xw = infer::call_buffer<int32_t>(m * xwords);
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  const bool tiles = m >= kAmxMinRows && k % 64 == 0 && amx_granted();
+#else
+  constexpr bool tiles = false;
+#endif
+  const int64_t padded = tiles ? m + 32 : m;  // a partial row tile reads past the last row
+  int32_t* xw = infer::call_buffer<int32_t>(padded * xwords);
   float* xscale = infer::call_buffer<float>(m);
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   for_rows(m, k, [&](int64_t r) {
@@ -878,6 +958,19 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto y = torch::empty({m, n}, x.options());
   const W8A8Args a{xw, xwords, xscale, packed.data_ptr<int8_t>(), in.scale, colsums.data_ptr<int32_t>(),
                    in.bias, reinterpret_cast<uint16_t*>(y.data_ptr()), n, quads, in.width};
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  if (tiles) {
+    std::memset(xw + m * xwords, 128, (padded - m) * xwords * 4);  // code 0: the pad rows multiply to nothing
+    const auto* xu = reinterpret_cast<const uint8_t*>(xw);
+    infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
+      if (a.width == 64)
+        amx_rows_of_block8<64 / kLanes>(a, xu, 4 * xwords, blk, r, r1);
+      else
+        amx_rows_of_block8<32 / kLanes>(a, xu, 4 * xwords, blk, r, r1);
+    }, kAmxRowChunk);
+    return y;
+  }
+#endif
   infer::for_blocks_and_rows(m, in.blocks, [&](int64_t blk, int64_t r, int64_t r1) {
     if (a.width == 64)
       rows_of_block8<64 / kLanes>(a, blk, r, r1);
@@ -890,6 +983,14 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 bool available() { return true; }
 bool has_vnni() { return kVnni; }
 bool fp8_pairs() { return kFp8Table; }
+// whether W8A8 prompt chunks (16 rows or more, K a multiple of 64) run on AMX-INT8 tiles in this process
+bool w8a8_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  return amx_granted();
+#else
+  return false;
+#endif
+}
 
 #else
 
@@ -906,6 +1007,7 @@ torch::Tensor w8a8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 bool available() { return false; }
 bool has_vnni() { return false; }
 bool fp8_pairs() { return false; }
+bool w8a8_amx() { return false; }
 
 #endif
 
@@ -921,6 +1023,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has the int8 kernels (its target has AVX2 + FMA at least)");
   m.def("has_vnni", &has_vnni, "whether W8A8 runs on AVX-512 VNNI (vpdpbusd) in this build");
+  m.def("w8a8_amx", &w8a8_amx, "whether W8A8 prompt chunks run on AMX-INT8 tiles (tdpbusd) in this process");
   m.def("fp8_pairs", &fp8_pairs,
         "whether FP8 weights are decoded by table to bfloat16 pairs (AVX-512 BF16 + VBMI): packed [blocks, K/2, W, 2]");
 }

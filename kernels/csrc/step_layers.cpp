@@ -24,6 +24,9 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__AMX_TILE__)
+#include "amx_tiles.h"  // here, outside the namespaces below that include the kernels using it
+#endif
 #include "call_buffer.h"
 #include "chunk_checks.h"
 #include "float_storage.h"
@@ -62,7 +65,6 @@ namespace int8 {
 // AMX tiles where the build targets them (kernels/step_layers.py adds the flags on a CPU with AMX)
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define INFER_STEP_AMX 1
-#include "amx_tiles.h"
 namespace amx {
 #include "amx_linear.cpp"
 }

@@ -19,7 +19,8 @@ CPU backends here, fastest first:
 - ``cpu-int8-weight``: ``aten._weight_int8pack_mm`` (int8 per-channel symmetric, 16-bit activations);
 - ``cpu-w8a8-blocks`` (bfloat16 models): the same source's W8A8 kernel: dynamic per-token int8 activations
   quantized inside the call exactly as ``quantize_activations`` does, exact int32 sums (vpmaddwd, or
-  vpdpbusd with AVX-512 VNNI), then the same float32 scaling as ``cpu-w8a8``;
+  vpdpbusd with AVX-512 VNNI; prompt chunks on AMX-INT8 tiles where the class is amx), then the same float32
+  scaling as ``cpu-w8a8``;
 - ``cpu-w8a8``: dynamic per-token int8 activations and ``torch._int_mm`` (int32 accumulation);
 - ``cpu-fp8-blocks`` (bfloat16 models): the same source's FP8 kernel: e4m3 per-channel weights decoded in
   registers (to bfloat16 by table where the class has AVX-512 BF16 and VBMI, else to float32), dynamic
@@ -258,8 +259,14 @@ class Int8BlocksLinear(QuantLinear):
 
 
 class W8A8BlocksLinear(Int8BlocksLinear):
-    """Int8BlocksLinear for a W8A8 weight (dynamic per-token int8 activations): its own backend name."""
+    """Int8BlocksLinear for a W8A8 weight (dynamic per-token int8 activations): its own backend name. Where the
+    kernel's build targets AMX, prompt chunks (16 rows or more, K a multiple of 64) run on AMX-INT8 tiles."""
     backend = "cpu-w8a8-blocks"
+
+    @property
+    def kernel_name(self) -> str:
+        amx = self.module.w8a8_amx() and self.in_features % 64 == 0
+        return f"{self.scheme} {self.backend}" + (" (prompt chunks on amx-int8)" if amx else "")
 
 
 class FP8BlocksLinear(Int8BlocksLinear):
