@@ -97,6 +97,22 @@ def test_the_avx2_build_holds_no_avx512_instruction(monkeypatch, name, source):
     assert "zmm" not in listing and "vdpbf16ps" not in listing
 
 
+PEAK_INSTRUCTION = {"amx": "tdpbf16ps", "avx512bf16": "vdpbf16ps zmm", "avx512": "vfmadd231ps zmm",
+                    "avx2": "vfmadd231ps ymm"}  # what each class's bfloat16 linears multiply with
+
+
+@pytest.mark.parametrize("cls", _classes())
+def test_the_peak_loop_runs_the_instruction_the_class_linears_use(monkeypatch, cls):
+    """bench/cpu_class.py's share of peak is taken against this loop: on `amx` the linears run on tiles, so the
+    peak is tdpbf16ps's (30x vdpbf16ps's on a 2-core Xeon), not a vector instruction's."""
+    monkeypatch.setenv("INFER_ISA", cls)
+    module = extension.build("infer_peak", "peak.cpp", ["-fopenmp"])
+    assert module is not None, f"the {cls} build of peak.cpp failed"
+    flops, instruction = module.arithmetic_peak(2_000_000)
+    assert instruction == PEAK_INSTRUCTION[cls]
+    assert 1e9 < flops < 1e15
+
+
 def test_the_prefetch_distance_is_compiled_in(monkeypatch, fresh_seed):
     """The linears' prefetch setting (kernels/isa.py, kernels/csrc/prefetch.h) reaches the build: this CPU's
     own default leaves prefetch instructions in the bfloat16 linear where it is a distance and none where it

@@ -1,6 +1,8 @@
 // The arithmetic peak of the instruction a class's linears multiply with, measured: a loop of that
 // instruction on registers alone (no memory), on every thread, for the benchmarks' "share of peak".
-// 12 independent accumulators cover the FMA latency (4-5 cycles) times the two FMA ports.
+// 12 independent accumulators cover the FMA latency (4-5 cycles) times the two FMA ports. On the `amx` class
+// the linears multiply on AMX tiles: a loop of tdpbf16ps on 6 accumulator tiles (its latency is covered by
+// 6 x 16 cycles of throughput).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -9,14 +11,48 @@
 #include <string>
 
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+#endif
 
 namespace {
 
 constexpr int kAcc = 12;
 
 // FLOPs of one loop iteration (kAcc instructions) and the loop itself, per instruction set
-#if defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+const char* kInstruction = "tdpbf16ps";
+constexpr int64_t kIterScale = 8;  // an iteration of 6 tile products takes ~8x a vector loop's 12 instructions
+constexpr double kFlopsPerIter = 6.0 * 16 * 16 * 32 * 2;  // a 16 x 16 tile, 32 bfloat16 products a sum
+double run(int64_t iters) {
+  static const bool granted = infer::enable_amx();
+  if (!granted) return 0;
+  infer::configure_tiles();
+  alignas(64) static const uint16_t ones[16 * 32] = {};
+  alignas(64) float out[16 * 16];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_loadd(6, ones, 64);
+  _tile_loadd(7, ones, 64);
+  for (int64_t it = 0; it < iters; ++it) {
+    _tile_dpbf16ps(0, 6, 7);
+    _tile_dpbf16ps(1, 6, 7);
+    _tile_dpbf16ps(2, 6, 7);
+    _tile_dpbf16ps(3, 6, 7);
+    _tile_dpbf16ps(4, 6, 7);
+    _tile_dpbf16ps(5, 6, 7);
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
+#elif defined(__AVX512BF16__)
 const char* kInstruction = "vdpbf16ps zmm";
+constexpr int64_t kIterScale = 1;
 constexpr double kFlopsPerIter = kAcc * 16 * 2 * 2;  // 16 lanes, a pair of products each, multiply and add
 double run(int64_t iters) {
   __m512 acc[kAcc];
@@ -32,6 +68,7 @@ double run(int64_t iters) {
 }
 #elif defined(__AVX512F__)
 const char* kInstruction = "vfmadd231ps zmm";
+constexpr int64_t kIterScale = 1;
 constexpr double kFlopsPerIter = kAcc * 16 * 2;
 double run(int64_t iters) {
   __m512 acc[kAcc];
@@ -47,6 +84,7 @@ double run(int64_t iters) {
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 const char* kInstruction = "vfmadd231ps ymm";
+constexpr int64_t kIterScale = 1;
 constexpr double kFlopsPerIter = kAcc * 8 * 2;
 double run(int64_t iters) {
   __m256 acc[kAcc];
@@ -64,14 +102,16 @@ double run(int64_t iters) {
 }
 #else
 const char* kInstruction = "none";
+constexpr int64_t kIterScale = 1;
 constexpr double kFlopsPerIter = 0;
 double run(int64_t) { return 0; }
 #endif
 
 }  // namespace
 
-// (FLOP/s over all threads, the instruction) for `iters` iterations a thread.
+// (FLOP/s over all threads, the instruction) for about `iters` vector-loop iterations' time a thread.
 std::tuple<double, std::string> arithmetic_peak(int64_t iters) {
+  iters /= kIterScale;
   const int64_t threads = at::get_num_threads();
   double sink = 0;
   const auto start = std::chrono::steady_clock::now();
