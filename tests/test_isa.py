@@ -111,6 +111,12 @@ def test_the_peak_loop_runs_the_instruction_the_class_linears_use(monkeypatch, c
     flops, instruction = module.arithmetic_peak(2_000_000)
     assert instruction == PEAK_INSTRUCTION[cls]
     assert 1e9 < flops < 1e15
+    # bench/amx_tiles.py's loop of the AMX linears' tile blocking: it runs on amx, nowhere else
+    tiles = module.amx_tile_loop(10_000, 4, 16)
+    assert (tiles > 1e9) == (cls == "amx") and (tiles == 0) == (cls != "amx")
+    if cls == "amx":
+        with pytest.raises(RuntimeError, match="offset is 0 .. 63"):
+            module.amx_tile_loop(10, 4, 64)
 
 
 def test_the_prefetch_distance_is_compiled_in(monkeypatch, fresh_seed):

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <vector>
 
 namespace infer {
@@ -16,6 +17,13 @@ T* call_buffer(std::size_t count) {
   thread_local std::vector<T> buffer;
   if (buffer.size() < count) buffer.resize(count);
   return buffer.data();
+}
+
+// p moved up to the next multiple of `bytes` (a buffer asked with that much to spare)
+template <typename T>
+T* align_up(T* p, std::size_t bytes) {
+  const auto a = reinterpret_cast<std::uintptr_t>(p);
+  return reinterpret_cast<T*>((a + bytes - 1) / bytes * bytes);
 }
 
 }  // namespace infer

@@ -107,7 +107,66 @@ constexpr double kFlopsPerIter = 0;
 double run(int64_t) { return 0; }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The 2 x 2 blocking of the AMX linears (C tiles 0-3, A tiles 4-5, B tiles 6-7), 4 tile products an iteration, with
+// `loads` (0, 1, 2 or 4) of the four A and B tiles loaded afresh from L1 each iteration, as a kernel loads them per
+// 32 k: what tile loads cost beside the products; `offset` bytes past a cache line's start (0: each tile row one
+// line; 16: each row split over two, as from a buffer malloc returns).
+double tile_loop(int64_t iters, int64_t loads, int64_t offset) {
+  static const bool granted = infer::enable_amx();
+  if (!granted) return 0;
+  infer::configure_tiles();
+  alignas(64) static uint8_t buffer[4 * 1024 + 64] = {};
+  const uint8_t* zeros[4] = {buffer + offset, buffer + offset + 1024, buffer + offset + 2048, buffer + offset + 3072};
+  alignas(64) float out[16 * 16];
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, zeros[0], 64);
+  _tile_loadd(5, zeros[1], 64);
+  _tile_loadd(6, zeros[2], 64);
+  _tile_loadd(7, zeros[3], 64);
+  for (int64_t it = 0; it < iters; ++it) {
+    asm volatile("" ::: "memory");  // the loads are the point: not hoisted out of the loop
+    if (loads >= 1) _tile_loadd(4, zeros[0], 64);
+    if (loads >= 4) {
+      _tile_loadd(6, zeros[2], 64);
+      _tile_loadd(7, zeros[3], 64);
+    }
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (loads >= 2) _tile_loadd(5, zeros[1], 64);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, out, 64);
+  _tile_release();
+  return out[0];
+}
+#endif
+
 }  // namespace
+
+// FLOP/s over all threads of the AMX linears' 2 x 2 tile loop with `loads` tile loads per 4 products, `offset` bytes
+// off cache-line alignment (0 where the build has no AMX).
+double amx_tile_loop(int64_t iters, int64_t loads, int64_t offset) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  TORCH_CHECK(loads == 0 || loads == 1 || loads == 2 || loads == 4, "amx_tile_loop: loads is 0, 1, 2 or 4");
+  TORCH_CHECK(offset >= 0 && offset < 64, "amx_tile_loop: offset is 0 .. 63 bytes");
+  const int64_t threads = at::get_num_threads();
+  double sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      if (tile_loop(iters, loads, offset) == 12345.678) sink += 1;  // never true: keeps the result live
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return sink + 4.0 * 16 * 16 * 32 * 2 * iters * threads / seconds;
+#else
+  return 0;
+#endif
+}
 
 // (FLOP/s over all threads, the instruction) for about `iters` vector-loop iterations' time a thread.
 std::tuple<double, std::string> arithmetic_peak(int64_t iters) {
@@ -127,5 +186,7 @@ std::tuple<double, std::string> arithmetic_peak(int64_t iters) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("arithmetic_peak", &arithmetic_peak, "FLOP/s of a register-only loop of the linears' multiply instruction",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("amx_tile_loop", &amx_tile_loop, "FLOP/s of the AMX linears' 2 x 2 tile loop: `loads` tile loads per 4 products, `offset` bytes off alignment",
         py::call_guard<py::gil_scoped_release>());
 }
