@@ -187,6 +187,7 @@ std::tuple<double, std::string> arithmetic_peak(int64_t iters) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("arithmetic_peak", &arithmetic_peak, "FLOP/s of a register-only loop of the linears' multiply instruction",
         py::call_guard<py::gil_scoped_release>());
-  m.def("amx_tile_loop", &amx_tile_loop, "FLOP/s of the AMX linears' 2 x 2 tile loop: `loads` tile loads per 4 products, `offset` bytes off alignment",
+  m.def("amx_tile_loop", &amx_tile_loop,
+        "FLOP/s of the AMX linears' 2 x 2 tile loop: `loads` tile loads per 4 products, `offset` bytes off alignment",
         py::call_guard<py::gil_scoped_release>());
 }
