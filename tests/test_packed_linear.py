@@ -92,6 +92,15 @@ def test_amx_linear_takes_strided_rows_and_falls_back_on_shapes_it_cannot_tile()
     want = x.double() @ linear.weight.double().t() + linear.bias.double()
     got = PackedLinear(linear, "amx", AMX)(x)
     assert torch.allclose(got.double(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+    # 70 rows on cache lines are read in place (64) and from a copy (6); the same rows 2 bytes off a line, all from
+    # a copy: the same bits either way
+    packed = PackedLinear(linear, "amx", AMX)
+    rows = torch.randn(70, 96, generator=gen).to(torch.bfloat16)
+    shifted = torch.empty(70 * 96 + 1, dtype=torch.bfloat16)[1:].view(70, 96)
+    shifted.copy_(rows)
+    assert rows.data_ptr() % 64 == 0 and shifted.data_ptr() % 64 != 0
+    assert torch.equal(packed(rows), packed(shifted))
+    assert torch.equal(packed(rows[40:]), packed(rows)[40:])  # a partial tail alone
     # 80 outputs are not a multiple of 32: pack_linears leaves that layer to the next kernel that fits
     model = _tiny_model(80)
     pack_linears(model, AMX, bf16=None)

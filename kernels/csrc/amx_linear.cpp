@@ -13,8 +13,10 @@
 #include <torch/extension.h>
 
 #include "amx_tiles.h"
+#include "call_buffer.h"
 #include "float_storage.h"
 
+#include <cstdint>
 #include <cstring>
 
 namespace {
@@ -26,16 +28,15 @@ using infer::kTileRows;
 constexpr int64_t kPrefetchTiles = 4;  // how far ahead of its loads a thread prefetches weights
 constexpr int64_t kRowBlockBytes = 512 << 10;  // rows of x worked on together: kept in L2
 
-// out[m, n0:n0+32] for rows m0 .. m0+rows-1 (rows <= 32), from x as tiles. tmm0-3 accumulate C
-// (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold weights. out: bfloat16, or float32 sums
-// where float_out.
-void column_pair(const at::BFloat16* x_tiles, int64_t m0, int64_t rows, int64_t K, const at::BFloat16* w_blocks,
+// out[m, n0:n0+32] for rows m0 .. m0+rows-1 (rows <= 32), x's rows m0.. read as A tiles from xa, lda bytes apart
+// (readable for 32 rows). tmm0-3 accumulate C (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold
+// weights. out: bfloat16, or float32 sums where float_out.
+void column_pair(const at::BFloat16* xa, int64_t lda, int64_t m0, int64_t rows, int64_t K, const at::BFloat16* w_blocks,
                  int64_t n0, const at::BFloat16* bias, void* out, int64_t out_stride, bool float_out) {
   const int64_t kblocks = K / kTileK;
   const at::BFloat16* w0 = w_blocks + (n0 / kBlockN) * kblocks * kTileRows * kTileK;
   const at::BFloat16* w1 = w0 + kblocks * kTileRows * kTileK;
-  const at::BFloat16* xa = x_tiles + m0 * K;  // row tile m0 / 16: K / 32 tiles of 16 x 32
-  const at::BFloat16* xb = xa + kTileRows * K;
+  const at::BFloat16* xb = xa + kTileRows * (lda / 2);
   const bool two = rows > kTileRows;
   _tile_zero(0);
   _tile_zero(1);
@@ -53,11 +54,11 @@ void column_pair(const at::BFloat16* x_tiles, int64_t m0, int64_t rows, int64_t 
     }
     _tile_loadd(6, w0 + kb * kTileRows * kTileK, 64);
     _tile_loadd(7, w1 + kb * kTileRows * kTileK, 64);
-    _tile_loadd(4, xa + kb * kTileRows * kTileK, 64);
+    _tile_loadd(4, xa + kb * kTileK, lda);
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if (two) {
-      _tile_loadd(5, xb + kb * kTileRows * kTileK, 64);
+      _tile_loadd(5, xb + kb * kTileK, lda);
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
@@ -109,25 +110,25 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
                 "amx_linear: bias must be a contiguous bfloat16 [N] tensor");
     b = bias->data_ptr<at::BFloat16>();
   }
-  // x rearranged as tiles, [M / 16][K / 32][16][32], rows padded with zeros to a multiple of 32:
-  // each A tile is then one contiguous 1 KB load, and the tail rows multiply to nothing
-  const int64_t m_pad = (M + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
-  const int64_t kblocks = K / kTileK;
-  auto x_tiles = torch::empty({m_pad * K}, x.options());
-  at::BFloat16* xt = x_tiles.data_ptr<at::BFloat16>();
+  // A tiles are read straight from x's rows where each tile row (32 values, 64 bytes) lies on a cache line (a
+  // split row loads at a third of the speed: bench/amx_tiles.py); the rows past the last whole 32, and every row of
+  // an x that is not so laid out, are copied first into rows that are, padded with zero rows to a multiple of 32.
   const at::BFloat16* xs = x.data_ptr<at::BFloat16>();
   const int64_t row_stride = x.stride(0), col_stride = x.stride(1);
-  at::parallel_for(0, m_pad, 256, [&](int64_t begin, int64_t end) {
+  const bool in_place = col_stride == 1 && reinterpret_cast<std::uintptr_t>(xs) % 64 == 0 && row_stride * 2 % 64 == 0;
+  const int64_t direct = in_place ? M / (2 * kTileRows) * (2 * kTileRows) : 0;  // rows read in place
+  const int64_t copied = (M - direct + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  at::BFloat16* xc = infer::align_up(infer::call_buffer<at::BFloat16>(copied * K + 32), 64);
+  at::parallel_for(0, copied, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      at::BFloat16* dst = xt + (r / kTileRows) * kblocks * kTileRows * kTileK + (r % kTileRows) * kTileK;
-      for (int64_t kb = 0; kb < kblocks; ++kb, dst += kTileRows * kTileK) {
-        if (r >= M) {
-          std::memset(dst, 0, kTileK * sizeof(at::BFloat16));
-        } else if (col_stride == 1) {
-          std::memcpy(dst, xs + r * row_stride + kb * kTileK, kTileK * sizeof(at::BFloat16));
-        } else {
-          for (int64_t i = 0; i < kTileK; ++i) dst[i] = xs[r * row_stride + (kb * kTileK + i) * col_stride];
-        }
+      at::BFloat16* dst = xc + r * K;
+      const int64_t src_row = direct + r;
+      if (src_row >= M) {
+        std::memset(dst, 0, K * sizeof(at::BFloat16));
+      } else if (col_stride == 1) {
+        std::memcpy(dst, xs + src_row * row_stride, K * sizeof(at::BFloat16));
+      } else {
+        for (int64_t i = 0; i < K; ++i) dst[i] = xs[src_row * row_stride + i * col_stride];
       }
     }
   });
@@ -142,8 +143,11 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
     configure_tiles();
     for (int64_t block = 0; block < M; block += rows_per_block)
       for (int64_t p = begin; p < end; ++p)
-        for (int64_t m0 = block; m0 < std::min(M, block + rows_per_block); m0 += 2 * kTileRows)
-          column_pair(xt, m0, std::min<int64_t>(M - m0, 2 * kTileRows), K, w, p * 2 * kBlockN, b, o, N, float_out);
+        for (int64_t m0 = block; m0 < std::min(M, block + rows_per_block); m0 += 2 * kTileRows) {
+          const bool here = m0 < direct;
+          column_pair(here ? xs + m0 * row_stride : xc + (m0 - direct) * K, here ? row_stride * 2 : K * 2, m0,
+                      std::min<int64_t>(M - m0, 2 * kTileRows), K, w, p * 2 * kBlockN, b, o, N, float_out);
+        }
     _tile_release();
   });
   return out;
