@@ -28,16 +28,13 @@ using infer::kTileRows;
 constexpr int64_t kPrefetchTiles = 4;  // how far ahead of its loads a thread prefetches weights
 constexpr int64_t kRowBlockBytes = 512 << 10;  // rows of x worked on together: kept in L2
 
-// out[m, n0:n0+32] for rows m0 .. m0+rows-1 (rows <= 32), x's rows m0.. read as A tiles from xa, lda bytes apart
-// (readable for 32 rows). tmm0-3 accumulate C (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold
-// weights. out: bfloat16, or float32 sums where float_out.
-void column_pair(const at::BFloat16* xa, int64_t lda, int64_t m0, int64_t rows, int64_t K, const at::BFloat16* w_blocks,
-                 int64_t n0, const at::BFloat16* bias, void* out, int64_t out_stride, bool float_out) {
-  const int64_t kblocks = K / kTileK;
-  const at::BFloat16* w0 = w_blocks + (n0 / kBlockN) * kblocks * kTileRows * kTileK;
-  const at::BFloat16* w1 = w0 + kblocks * kTileRows * kTileK;
+// One group's products: rows (<= 32) of x, read as A tiles from xa (lda bytes apart, readable for 32 rows), times
+// 32 columns' weights (w0, w1: two columns tiles' [K/32][16][32] blocks), left in the C tiles. tmm0-3 accumulate C
+// (2 row tiles x 2 column tiles), tmm4-5 hold rows of x, tmm6-7 hold weights. prefetch: ask for the weights ahead
+// of their loads (they come from memory the first time a thread reads them, from cache after).
+void pair_products(const at::BFloat16* xa, int64_t lda, bool two, int64_t kblocks, const at::BFloat16* w0,
+                   const at::BFloat16* w1, bool prefetch) {
   const at::BFloat16* xb = xa + kTileRows * (lda / 2);
-  const bool two = rows > kTileRows;
   _tile_zero(0);
   _tile_zero(1);
   if (two) {
@@ -45,12 +42,13 @@ void column_pair(const at::BFloat16* xa, int64_t lda, int64_t m0, int64_t rows, 
     _tile_zero(3);
   }
   for (int64_t kb = 0; kb < kblocks; ++kb) {
-    // the weights come from memory, once: ask for them a few tiles ahead of the loads
-    const char* ahead0 = reinterpret_cast<const char*>(w0 + (kb + kPrefetchTiles) * kTileRows * kTileK);
-    const char* ahead1 = reinterpret_cast<const char*>(w1 + (kb + kPrefetchTiles) * kTileRows * kTileK);
-    for (int line = 0; line < 1024; line += 64) {
-      _mm_prefetch(ahead0 + line, _MM_HINT_T0);
-      _mm_prefetch(ahead1 + line, _MM_HINT_T0);
+    if (prefetch) {
+      const char* ahead0 = reinterpret_cast<const char*>(w0 + (kb + kPrefetchTiles) * kTileRows * kTileK);
+      const char* ahead1 = reinterpret_cast<const char*>(w1 + (kb + kPrefetchTiles) * kTileRows * kTileK);
+      for (int line = 0; line < 1024; line += 64) {
+        _mm_prefetch(ahead0 + line, _MM_HINT_T0);
+        _mm_prefetch(ahead1 + line, _MM_HINT_T0);
+      }
     }
     _tile_loadd(6, w0 + kb * kTileRows * kTileK, 64);
     _tile_loadd(7, w1 + kb * kTileRows * kTileK, 64);
@@ -63,14 +61,23 @@ void column_pair(const at::BFloat16* xa, int64_t lda, int64_t m0, int64_t rows, 
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float c[2 * kTileRows][2 * kBlockN];
+}
+
+using GroupSums = float[2 * kTileRows][2 * kBlockN];
+
+inline void pair_store(GroupSums& c, bool two) {
   _tile_stored(0, &c[0][0], 2 * kBlockN * 4);
   _tile_stored(1, &c[0][kBlockN], 2 * kBlockN * 4);
   if (two) {
     _tile_stored(2, &c[kTileRows][0], 2 * kBlockN * 4);
     _tile_stored(3, &c[kTileRows][kBlockN], 2 * kBlockN * 4);
   }
-  // bias in float32, then one rounding to bfloat16 (round to nearest even) per 32 outputs
+}
+
+// out[m0 .. m0 + rows - 1, n0 .. n0 + 31] from a group's sums: bias in float32, then one rounding to bfloat16 (round
+// to nearest even) per 32 outputs; float32 sums where float_out
+void pair_out(const GroupSums& c, int64_t m0, int64_t rows, int64_t n0, const at::BFloat16* bias, void* out,
+              int64_t out_stride, bool float_out) {
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
   if (bias != nullptr) {
     b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0))), 16));
@@ -139,15 +146,30 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
   // a block stays in the core's L2 while the task's weights stream past it; a few rows (serving's
   // usual case) are one block, and the weights are read exactly once.
   const int64_t rows_per_block = std::max<int64_t>(2 * kTileRows, kRowBlockBytes / (2 * K) / (2 * kTileRows) * (2 * kTileRows));
+  const int64_t kblocks = K / kTileK;
+  // rows m0 .. m1 of 32 columns from n0, a group of 32 rows at a time; each group's outputs are written while the
+  // tiles work on the next (written after their own products, they took a third of a 256 x 576 x 3072 call)
+  auto column_pair_rows = [&](int64_t m0, int64_t m1, int64_t n0) {
+    const at::BFloat16* w0 = w + (n0 / kBlockN) * kblocks * kTileRows * kTileK;
+    const at::BFloat16* w1 = w0 + kblocks * kTileRows * kTileK;
+    alignas(64) GroupSums c[2];
+    int64_t g = 0, last = 0;
+    for (int64_t r = m0; r < m1; r += 2 * kTileRows, ++g) {
+      const int64_t rows = std::min<int64_t>(m1 - r, 2 * kTileRows);
+      const bool here = r < direct;
+      pair_products(here ? xs + r * row_stride : xc + (r - direct) * K, here ? row_stride * 2 : K * 2,
+                    rows > kTileRows, kblocks, w0, w1, r == m0);
+      if (g > 0) pair_out(c[(g - 1) & 1], last, 2 * kTileRows, n0, b, o, N, float_out);
+      pair_store(c[g & 1], rows > kTileRows);
+      last = r;
+    }
+    if (g > 0) pair_out(c[(g - 1) & 1], last, m1 - last, n0, b, o, N, float_out);
+  };
   at::parallel_for(0, N / (2 * kBlockN), 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
     for (int64_t block = 0; block < M; block += rows_per_block)
       for (int64_t p = begin; p < end; ++p)
-        for (int64_t m0 = block; m0 < std::min(M, block + rows_per_block); m0 += 2 * kTileRows) {
-          const bool here = m0 < direct;
-          column_pair(here ? xs + m0 * row_stride : xc + (m0 - direct) * K, here ? row_stride * 2 : K * 2, m0,
-                      std::min<int64_t>(M - m0, 2 * kTileRows), K, w, p * 2 * kBlockN, b, o, N, float_out);
-        }
+        column_pair_rows(block, std::min(M, block + rows_per_block), p * 2 * kBlockN);
     _tile_release();
   });
   return out;
