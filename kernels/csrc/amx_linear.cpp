@@ -35,12 +35,7 @@ constexpr int64_t kRowBlockBytes = 512 << 10;  // rows of x worked on together: 
 void pair_products(const at::BFloat16* xa, int64_t lda, bool two, int64_t kblocks, const at::BFloat16* w0,
                    const at::BFloat16* w1, bool prefetch) {
   const at::BFloat16* xb = xa + kTileRows * (lda / 2);
-  _tile_zero(0);
-  _tile_zero(1);
-  if (two) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
+  infer::zero_accumulators(two);
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     if (prefetch) {
       const char* ahead0 = reinterpret_cast<const char*>(w0 + (kb + kPrefetchTiles) * kTileRows * kTileK);
@@ -64,15 +59,6 @@ void pair_products(const at::BFloat16* xa, int64_t lda, bool two, int64_t kblock
 }
 
 using GroupSums = float[2 * kTileRows][2 * kBlockN];
-
-inline void pair_store(GroupSums& c, bool two) {
-  _tile_stored(0, &c[0][0], 2 * kBlockN * 4);
-  _tile_stored(1, &c[0][kBlockN], 2 * kBlockN * 4);
-  if (two) {
-    _tile_stored(2, &c[kTileRows][0], 2 * kBlockN * 4);
-    _tile_stored(3, &c[kTileRows][kBlockN], 2 * kBlockN * 4);
-  }
-}
 
 // out[m0 .. m0 + rows - 1, n0 .. n0 + 31] from a group's sums: bias in float32, then one rounding to bfloat16 (round
 // to nearest even) per 32 outputs; float32 sums where float_out
@@ -160,7 +146,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor w_blocks, c10::optional<
       pair_products(here ? xs + r * row_stride : xc + (r - direct) * K, here ? row_stride * 2 : K * 2,
                     rows > kTileRows, kblocks, w0, w1, r == m0);
       if (g > 0) pair_out(c[(g - 1) & 1], last, 2 * kTileRows, n0, b, o, N, float_out);
-      pair_store(c[g & 1], rows > kTileRows);
+      infer::store_accumulators(c[g & 1], rows > kTileRows);
       last = r;
     }
     if (g > 0) pair_out(c[(g - 1) & 1], last, m1 - last, n0, b, o, N, float_out);

@@ -31,6 +31,28 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
+// The 2 x 2 blocking every AMX linear uses: C tiles 0-3 accumulate 32 rows x 32 columns (tiles 2-3: rows 16-31,
+// only where `two`), A tiles 4-5 hold rows of x, B tiles 6-7 weights.
+inline void zero_accumulators(bool two) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if (two) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+}
+
+// The accumulators into c, 32 rows of 32 four-byte sums (float32 or int32), c[16..31] only where `two`
+template <typename T>
+inline void store_accumulators(T (*c)[32], bool two) {
+  _tile_stored(0, &c[0][0], 128);
+  _tile_stored(1, &c[0][16], 128);
+  if (two) {
+    _tile_stored(2, &c[16][0], 128);
+    _tile_stored(3, &c[16][16], 128);
+  }
+}
+
 // Asks the kernel for permission to use AMX tile data in this process (Linux 5.16+); false if refused.
 inline bool enable_amx() {
   constexpr int kArchReqXcompPerm = 0x1023;

@@ -780,12 +780,7 @@ void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64
   for (int64_t c0 = 0; c0 < kCols; c0 += 32) {
     for (int64_t i = r; i < r1; i += 32) {
       const bool two = i + 16 < r1;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
+      infer::zero_accumulators(two);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
         const int8_t* w = wb + kb * 16 * ldw + c0 * 4;
         _tile_loadd(6, w, ldw);
@@ -799,12 +794,7 @@ void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64
           _tile_dpbusd(3, 5, 7);
         }
       }
-      _tile_stored(0, &out[0][0], 128);
-      _tile_stored(1, &out[0][16], 128);
-      if (two) {
-        _tile_stored(2, &out[16][0], 128);
-        _tile_stored(3, &out[16][16], 128);
-      }
+      infer::store_accumulators(out, two);
       const int64_t rows = std::min<int64_t>(32, r1 - i);
       for (int64_t j = 0; j < 32; j += kLanes) {
         const int64_t col = blk * a.width + c0 + j;
