@@ -297,9 +297,10 @@ CHUNK_KERNELS = [
 def test_amx_chunk_attention_is_used_wherever_the_cpu_has_amx():
     """Where AMX is on, its chunk kernel attends every prompt chunk, fresh ones too (1.3-2.7x the
     AVX-512 BF16 kernel on 40-1024 fresh tokens, a 2-core Xeon), and the fused step runs it."""
+    from infer.kernels import isa
     from infer.kernels.resolver import resolve
 
-    assert (AMX_ATTENTION is not None) == torch.cpu._is_amx_tile_supported()
+    assert (AMX_ATTENTION is not None) == (torch.cpu._is_amx_tile_supported() and isa.active() == "amx")
     described = resolve("auto", dtype=torch.bfloat16).describe(torch.bfloat16)
     want = "amx" if AMX_ATTENTION is not None else described["chunk_attention"]
     assert described["prefill_attention"] == described["chunk_attention"] == want, described

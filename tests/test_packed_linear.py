@@ -26,8 +26,11 @@ def test_packing_is_available_wherever_onednn_is():
 
 
 def test_amx_kernel_is_used_wherever_the_cpu_has_amx():
-    # a CPU with AMX and a compiler: a missing kernel is a failure, not a fallback to accept
-    assert (AMX is not None) == torch.cpu._is_amx_tile_supported()
+    # a CPU with AMX and a compiler: a missing kernel is a failure, not a fallback to accept; a class forced
+    # below amx (INFER_ISA, INFER_AMX=0) has none
+    from infer.kernels import isa
+
+    assert (AMX is not None) == (torch.cpu._is_amx_tile_supported() and isa.active() == "amx")
 
 
 def test_column_block_kernel_is_built_on_every_class_from_avx2():
