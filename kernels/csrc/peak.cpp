@@ -1,8 +1,8 @@
 // The arithmetic peak of the instruction a class's linears multiply with, measured: a loop of that
 // instruction on registers alone (no memory), on every thread, for the benchmarks' "share of peak".
 // 12 independent accumulators cover the FMA latency (4-5 cycles) times the two FMA ports. On the `amx` class
-// the linears multiply on AMX tiles: a loop of tdpbf16ps on 6 accumulator tiles (its latency is covered by
-// 6 x 16 cycles of throughput).
+// the linears multiply on AMX tiles: a loop of tdpbf16ps on 6 accumulator tiles, one after another, to cover its
+// latency.
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
@@ -119,10 +119,7 @@ double tile_loop(int64_t iters, int64_t loads, int64_t offset) {
   alignas(64) static uint8_t buffer[4 * 1024 + 64] = {};
   const uint8_t* zeros[4] = {buffer + offset, buffer + offset + 1024, buffer + offset + 2048, buffer + offset + 3072};
   alignas(64) float out[16 * 16];
-  _tile_zero(0);
-  _tile_zero(1);
-  _tile_zero(2);
-  _tile_zero(3);
+  infer::zero_accumulators(true);
   _tile_loadd(4, zeros[0], 64);
   _tile_loadd(5, zeros[1], 64);
   _tile_loadd(6, zeros[2], 64);
@@ -146,6 +143,20 @@ double tile_loop(int64_t iters, int64_t loads, int64_t offset) {
 }
 #endif
 
+// FLOP/s of `loop` (which does `flops` and returns a value kept live) run once on each of the threads at once
+template <typename Loop>
+double on_every_thread(const Loop& loop, double flops) {
+  const int64_t threads = at::get_num_threads();
+  double sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t)
+      if (loop() == 12345.678) sink += 1;  // never true: keeps the result live
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return sink + flops * threads / seconds;
+}
+
 }  // namespace
 
 // FLOP/s over all threads of the AMX linears' 2 x 2 tile loop with `loads` tile loads per 4 products, `offset` bytes
@@ -154,15 +165,7 @@ double amx_tile_loop(int64_t iters, int64_t loads, int64_t offset) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
   TORCH_CHECK(loads == 0 || loads == 1 || loads == 2 || loads == 4, "amx_tile_loop: loads is 0, 1, 2 or 4");
   TORCH_CHECK(offset >= 0 && offset < 64, "amx_tile_loop: offset is 0 .. 63 bytes");
-  const int64_t threads = at::get_num_threads();
-  double sink = 0;
-  const auto start = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t)
-      if (tile_loop(iters, loads, offset) == 12345.678) sink += 1;  // never true: keeps the result live
-  });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return sink + 4.0 * 16 * 16 * 32 * 2 * iters * threads / seconds;
+  return on_every_thread([&] { return tile_loop(iters, loads, offset); }, 4.0 * 16 * 16 * 32 * 2 * iters);
 #else
   return 0;
 #endif
@@ -171,17 +174,7 @@ double amx_tile_loop(int64_t iters, int64_t loads, int64_t offset) {
 // (FLOP/s over all threads, the instruction) for about `iters` vector-loop iterations' time a thread.
 std::tuple<double, std::string> arithmetic_peak(int64_t iters) {
   iters /= kIterScale;
-  const int64_t threads = at::get_num_threads();
-  double sink = 0;
-  const auto start = std::chrono::steady_clock::now();
-  at::parallel_for(0, threads, 1, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const double v = run(iters);
-      if (v == 12345.678) sink += v;  // never true: keeps the result live
-    }
-  });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  return {sink + kFlopsPerIter * iters * threads / seconds, kInstruction};
+  return {on_every_thread([&] { return run(iters); }, kFlopsPerIter * iters), kInstruction};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

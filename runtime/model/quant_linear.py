@@ -266,7 +266,7 @@ class W8A8BlocksLinear(Int8BlocksLinear):
     @property
     def kernel_name(self) -> str:
         amx = self.module.w8a8_amx() and self.in_features % 64 == 0
-        return f"{self.scheme} {self.backend}" + (" (prompt chunks on amx-int8)" if amx else "")
+        return super().kernel_name + (" (prompt chunks on amx-int8)" if amx else "")
 
 
 class FP8BlocksLinear(Int8BlocksLinear):
