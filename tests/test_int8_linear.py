@@ -137,6 +137,63 @@ def test_w8a8_sums_are_exact_at_the_code_extremes(m, k):
     assert torch.equal(got, ref.to(torch.bfloat16))
 
 
+def _tie_rows(gen, scheme):
+    """Rows whose every value's quotient x / scale tests the rounding: row r's absmax A is the r-th of the 128
+    bfloat16 mantissas (exponents at random), the rest of the row every bfloat16 magnitude in [A 2^-7, A], signs at
+    random; K padded with zeros to a multiple of 64. Returns x and how many quotients lie within 2^-18 of a
+    rounding boundary (a half-integer for int8 codes, a midpoint between e4m3 values for fp8)."""
+    mantissas = 1 + torch.arange(128, dtype=torch.float64) / 128
+    rows = []
+    for r in range(128):
+        e = int(torch.randint(-12, 12, (1,), generator=gen))
+        a = mantissas[r] * 2.0**e
+        values = torch.cat([mantissas * 2.0 ** (e - d) for d in range(8)])
+        values = values[values <= a]
+        signs = torch.where(torch.rand(len(values), generator=gen) < 0.5, -1.0, 1.0)
+        rows.append(torch.cat([a.reshape(1), values * signs]))
+    k = -(-max(len(v) for v in rows) // 64) * 64
+    x = torch.zeros(128, k, dtype=torch.float64)
+    for r, v in enumerate(rows):
+        x[r, :len(v)] = v
+    x = x.to(torch.bfloat16)
+    half_range = 127.5 if scheme == "w8a8" else 448.0
+    scale = (x.float().abs().amax(1, keepdim=True) / half_range).double()  # float32 scales, as torch divides by
+    quotient = x.double() / scale
+    if scheme == "w8a8":
+        boundary = quotient.floor() + 0.5
+    else:  # e4m3: 3 mantissa bits, steps of 2^-9 below 2^-6
+        step = torch.where(quotient.abs() < 2.0**-6, 2.0**-9, 2.0 ** (quotient.abs().log2().floor() - 3))
+        boundary = (quotient / step).floor() * step + step / 2
+    near = ((quotient - boundary).abs() <= quotient.abs() * 2.0**-18) & (x != 0)
+    return x, int(near.sum())
+
+
+@needs_kernel
+@pytest.mark.parametrize("scheme", ["w8a8", "fp8"])
+def test_activation_codes_round_as_torch_divides_near_every_boundary(scheme, fresh_seed):
+    """Each x / scale is the float32 quotient torch's division gives (the kernel multiplies by 1 / scale and
+    corrects twice by the remainder), so its code is torch's, also where the quotient falls within float32 ulps of
+    a rounding boundary: every bfloat16 absmax mantissa against every value below it, read back through an
+    identity weight (y = code x row scale: codes one apart give different bfloat16 outputs)."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x, near = _tie_rows(gen, scheme)
+    assert near >= 100, near  # the sweep does reach the boundaries
+    k = x.shape[1]
+    if scheme == "w8a8":
+        q = torch.eye(k, dtype=torch.int8)
+        packed, scales, colsums = int8_linear.pack_w8a8(q, torch.ones(k))
+        got = MODULE.w8a8_linear(x, packed, scales, colsums, k, None)
+        want = _torch_w8a8(x, q, torch.ones(k))[0].to(torch.bfloat16)
+    else:
+        eye = torch.zeros(k, k, dtype=torch.uint8)
+        eye[torch.arange(k), torch.arange(k)] = 0x38  # e4m3 1.0
+        packed, scales = int8_linear.pack_fp8(eye.view(torch.float8_e4m3fn), torch.ones(k))
+        got = MODULE.fp8_linear(x, packed, scales, k, None)
+        codes, xs = _torch_fp8(x)
+        want = (codes.float() * xs).to(torch.bfloat16)
+    assert torch.equal(got, want), (got != want).sum()
+
+
 def _fp8_weight(n, k, gen):
     """Random e4m3 weights with every one of the 254 finite codes (subnormals, +-448) present, per-channel scales."""
     codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)

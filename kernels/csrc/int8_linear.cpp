@@ -131,6 +131,7 @@ inline vf vbroadcast_value(float v) { return _mm512_set1_ps(v); }
 inline vf vadd_ps(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub_ps(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a b, rounded once
 inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 // 16 int8 weights widened to float32 (exact)
@@ -166,6 +167,7 @@ inline vf vbroadcast_value(float v) { return _mm256_set1_ps(v); }
 inline vf vadd_ps(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub_ps(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vfnma(vf a, vf b, vf c) { return _mm256_fnmadd_ps(a, b, c); }
 inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
 inline vf widen_i8(const int8_t* p) {
@@ -288,6 +290,18 @@ inline void widen_row(const uint16_t* x, int64_t k, float* out) {
   for (; i < k; ++i) out[i] = bf16_value(x[i]);
 }
 
+// x / s rounded to nearest in float32, the bits vdivps gives, without its 10-16 cycles a vector (a fifth of a
+// 256-row quantization's time): inv = 1 / s rounded (within half an ulp), q = x inv (within 2 ulps), one
+// correction by the remainder x - s q (exact under fma) brings q within an ulp, and a second then gives exactly
+// x / s rounded (Markstein's theorem, as IA-64's division did; it needs s q and 1 / s free of overflow and
+// underflow, which quantize_row's bounds on s give; a quotient so small that it underflows is within 2^-149 of
+// its value, far from any code's rounding boundary)
+inline vf vquotient(vf x, vf s, vf inv) {
+  vf q = vmul(x, inv);
+  q = vfma(vfnma(q, s, x), inv, q);
+  return vfma(vfnma(q, s, x), inv, q);
+}
+
 // compressed-tensors' dynamic per-token quantization of one row, in float32 as torch computes it: scale = absmax /
 // 127.5 (int8) or / 448 (e4m3), float32 epsilon for an all-zero row; x / scale clamped to [-128, 127] and rounded
 // half to even (int8 codes), or clamped to +-448 and rounded to e4m3 (FP8: the codes' values as float32).
@@ -300,9 +314,12 @@ inline float quantize_row(const uint16_t* x, int64_t k, Code* codes) {
   float scale = row_absmax(x, k) / range;
   if (scale == 0.f) scale = FLT_EPSILON;
   const vf s = vbroadcast_value(scale), vlo = vbroadcast_value(lo), vhi = vbroadcast_value(hi);
+  const bool by_inverse = scale >= 0x1p-100f && scale <= 0x1p100f;  // (false for inf or NaN: divided as before)
+  const vf inv = vbroadcast_value(1.f / scale);
   int64_t i = 0;
   for (; i + kLanes <= k; i += kLanes) {
-    const vf v = vmin(vmax(vdiv(load_bf16(x + i), s), vlo), vhi);
+    const vf xv = load_bf16(x + i);
+    const vf v = vmin(vmax(by_inverse ? vquotient(xv, s, inv) : vdiv(xv, s), vlo), vhi);
     if constexpr (FP8 && kBits) store_bf16_exact(codes + i, vround_e4m3(v));
     else if constexpr (FP8) vstore(codes + i, vround_e4m3(v));
     else if constexpr (OFFSET) store_u8_offset(codes + i, v);  // (the conversion rounds to nearest even, as
@@ -701,6 +718,14 @@ struct W8A8Args {
   int64_t n, quads, width;
 };
 
+// y[row, col .. col + kLanes) from the row's int32 sums there (VNNI's and AMX's alike): (sums - 128 x colsum) as
+// float32, times x_scale * w_scale (as torch multiplies them), plus the bias, rounded once to bfloat16
+INFER_INLINE void store_sums8(const W8A8Args& a, const int32_t* sums, int64_t row, int64_t col) {
+  const vi offset = kVnni ? vload_i32(a.colsum + col) : vizero();
+  const vf s = vmul(vbroadcast(a.xscale + row), vload(a.scale + col));
+  store_row(vcvt(vsub32(vload_i32(sums), offset)), s, a.bias, a.y + row * a.n, col, a.n);
+}
+
 template <int ROWS, int V>
 inline void tile8(const W8A8Args& a, int64_t blk, int64_t c0, int64_t r0) {
   vi acc[ROWS][V];
@@ -738,12 +763,8 @@ inline void tile8(const W8A8Args& a, int64_t blk, int64_t c0, int64_t r0) {
     for (int j = 0; j < V; ++j) vstore_i32(out[r][j], acc[r][j]);
   for (int j = 0; j < V; ++j) {
     const int64_t col = blk * a.width + c0 + j * kLanes;
-    const vf ws = vload(a.scale + col);
-    const vi offset = kVnni ? vload_i32(a.colsum + col) : vizero();
-    for (int r = 0; r < ROWS; ++r) {
-      const vf s = vmul(vbroadcast(a.xscale + r0 + r), ws);  // x_scale * w_scale, as torch multiplies them
-      if (col < a.n) store_row(vcvt(vsub32(vload_i32(out[r][j]), offset)), s, a.bias, a.y + (r0 + r) * a.n, col, a.n);
-    }
+    if (col < a.n)
+      for (int r = 0; r < ROWS; ++r) store_sums8(a, out[r][j], r0 + r, col);
   }
 }
 
@@ -764,6 +785,34 @@ inline void rows_of_block8(const W8A8Args& a, int64_t blk, int64_t r, int64_t r1
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// y[row0 .. row0 + rows, col .. col + 32) from a group's int32 sums as store_sums8 writes them, a row's 32 outputs
+// in one 64-byte store, what stays in registers hoisted: written as 2 x 16 per row (store_sums8), a 256 x 576 x
+// 3072 call's outputs took longer than its products
+inline void store_group8(const W8A8Args& a, const int32_t (*sums)[32], int64_t row0, int64_t rows, int64_t col) {
+  if (col + 32 > a.n) {
+    for (int64_t q = 0; q < rows; ++q)
+      for (int64_t j = 0; j < 32 && col + j < a.n; j += kLanes) store_sums8(a, sums[q] + j, row0 + q, col + j);
+    return;
+  }
+  const vf ws0 = vload(a.scale + col), ws1 = vload(a.scale + col + kLanes);
+  const vi off0 = vload_i32(a.colsum + col), off1 = vload_i32(a.colsum + col + kLanes);
+  const bool biased = a.bias != nullptr;
+  const vf b0 = biased ? vload(a.bias + col) : vzero(), b1 = biased ? vload(a.bias + col + kLanes) : vzero();
+  const float* xscale = a.xscale + row0;
+  uint16_t* y = a.y + row0 * a.n + col;
+  const int64_t n = a.n;
+  // the high halves of the 32 rounded lanes (bfloat16 bits), first vector's then the second's
+  const __m512i high_halves = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                               31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t q = 0; q < rows; ++q) {
+    const vf xs = vbroadcast(xscale + q);
+    const vf v0 = vfma(vcvt(vsub32(vload_i32(sums[q]), off0)), vmul(xs, ws0), b0);
+    const vf v1 = vfma(vcvt(vsub32(vload_i32(sums[q] + kLanes), off1)), vmul(xs, ws1), b1);
+    _mm512_storeu_si512(y + q * n, _mm512_permutex2var_epi16(infer::bf16_round_bits(v0), high_halves,
+                                                             infer::bf16_round_bits(v1)));
+  }
+}
+
 // W8A8 on AMX-INT8 (tdpbusd), for prompt chunks where the build targets AMX (the `amx` class): the same packed
 // weights and the same offset codes as vpdpbusd, since an A tile is 16 rows of 64 unsigned bytes (a row's codes
 // + 128, k in order) and a B tile 16 quads of 16 columns' 4 signed bytes, which is [K/4][W][4] read 64 bytes a
@@ -805,17 +854,7 @@ void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64
         }
       }
       infer::store_accumulators(out, two);
-      const int64_t rows = std::min<int64_t>(32, r1 - i);
-      for (int64_t j = 0; j < 32; j += kLanes) {
-        const int64_t col = blk * a.width + c0 + j;
-        if (col >= a.n) break;
-        const vf ws = vload(a.scale + col);
-        const vi offset = vload_i32(a.colsum + col);
-        for (int64_t q = 0; q < rows; ++q) {
-          const vf s = vmul(vbroadcast(a.xscale + i + q), ws);
-          store_row(vcvt(vsub32(vload_i32(&out[q][j]), offset)), s, a.bias, a.y + (i + q) * a.n, col, a.n);
-        }
-      }
+      store_group8(a, out, i, std::min<int64_t>(32, r1 - i), blk * a.width + c0);
     }
   }
   _tile_release();
