@@ -34,6 +34,8 @@ def test_the_w8a8_kernel_never_uses_a_saturating_product():
         assert "zmm" not in listing  # the class's own target: no AVX-512 instruction
     # AMX-INT8 tiles for prompt chunks exactly where the class is amx (forced lower, the build holds none)
     assert ("tdpbusd" in listing) == (isa.active() == "amx") == MODULE.w8a8_amx()
+    # and AMX-BF16 tiles for W8A16 / FP8 prompt chunks (their blocks widened to bfloat16 pairs)
+    assert ("tdpbf16ps" in listing) == (isa.active() == "amx") == MODULE.pairs_amx()
 
 
 def _weight(n, k, gen):
@@ -214,7 +216,8 @@ def _torch_fp8(x: torch.Tensor):
 
 
 @needs_kernel
-@pytest.mark.parametrize("m, n, k, bias", SHAPES + [(2, 64, 97, True), (9, 100, 97, False)])  # odd K: a padded pair
+# odd K: a padded pair (the last: AMX tiles on amx, 48 pairs)
+@pytest.mark.parametrize("m, n, k, bias", SHAPES + [(2, 64, 97, True), (9, 100, 97, False), (40, 96, 95, True)])
 def test_fp8_computes_the_declared_scheme(m, n, k, bias, fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     q, scale = _fp8_weight(n, k, gen)

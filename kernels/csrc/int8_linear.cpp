@@ -41,7 +41,7 @@
 #include <torch/extension.h>
 
 #include "call_buffer.h"
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#if defined(__AMX_TILE__)
 #include "amx_tiles.h"
 #endif
 #include "float_storage.h"
@@ -384,6 +384,45 @@ INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, in
   for (int i = 0; i < kLanes && col + i < n; ++i) y[col + i] = infer::from_float<at::BFloat16>(out[i]).x;
 }
 
+#if defined(__AMX_TILE__)
+// Whether this process may use AMX tile data (asked once; refused: the vector kernels throughout)
+inline bool amx_granted() {
+  static const bool granted = infer::enable_amx();
+  return granted;
+}
+
+// An AMX group's outputs: rows x 32 columns from col of y (row 0 at y, ldy apart) from its sums (int32 less 128 x
+// colsum, W8A8; or float32), each times x_scale (xscale: the rows', or nullptr) * w_scale (wscale: col's on), plus
+// the bias, rounded once to bfloat16, as store_row does, a row's 32 outputs in one 64-byte store with what stays
+// in registers hoisted (written 16 at a time, a 256 x 576 x 3072 W8A8 call's outputs took longer than its products)
+template <typename Sum>
+inline void store_group(const Sum (*sums)[32], int64_t rows, const float* xscale, const float* wscale,
+                        const int32_t* colsum, const float* bias, uint16_t* y, int64_t ldy, int64_t col, int64_t n) {
+  auto sum_at = [&](int64_t q, int64_t j) {
+    if constexpr (std::is_same_v<Sum, int32_t>) return vcvt(vsub32(vload_i32(sums[q] + j), vload_i32(colsum + j)));
+    else return vload(sums[q] + j);
+  };
+  auto scale_at = [&](int64_t q, vf ws) { return xscale != nullptr ? vmul(vbroadcast(xscale + q), ws) : ws; };
+  if (col + 32 > n) {
+    for (int64_t q = 0; q < rows; ++q)
+      for (int64_t j = 0; j < 32 && col + j < n; j += kLanes)
+        store_row(sum_at(q, j), scale_at(q, vload(wscale + j)), bias, y + q * ldy, col + j, n);
+    return;
+  }
+  const vf ws0 = vload(wscale), ws1 = vload(wscale + kLanes);
+  const bool biased = bias != nullptr;
+  const vf b0 = biased ? vload(bias + col) : vzero(), b1 = biased ? vload(bias + col + kLanes) : vzero();
+  // the high halves of the 32 rounded lanes (bfloat16 bits), first vector's then the second's
+  const __m512i high_halves = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                               31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  for (int64_t q = 0; q < rows; ++q) {
+    const vf v0 = vfma(sum_at(q, 0), scale_at(q, ws0), b0), v1 = vfma(sum_at(q, kLanes), scale_at(q, ws1), b1);
+    _mm512_storeu_si512(y + q * ldy + col, _mm512_permutex2var_epi16(infer::bf16_round_bits(v0), high_halves,
+                                                                     infer::bf16_round_bits(v1)));
+  }
+}
+#endif
+
 // 8-bit weights widened to float32: int8 codes (W8A16) or fp8 e4m3 bytes (FP8)
 template <bool FP8>
 inline vf widen8(const int8_t* p) {
@@ -478,15 +517,23 @@ constexpr int64_t kWidenedRowChunk = 256;
 // widened weights reached 0.43x of the bfloat16 linears' prefill on Zen 5.
 constexpr bool kPairs = true;
 
-// the block's weights ([K][width] codes) widened to bfloat16 pairs, [K/2][width] 32-bit words
+// Where a block's widened pairs put pair p's 16 words of columns 16 g .. 16 g + 15: [K/2][width] words in order
+// (vdpbf16ps's vectors), or tiled, [K/32][width/16][16 pairs][16 columns] (AMX B tiles, each a contiguous 1 KiB:
+// read as 16 pairs x 64 bytes at the block's row stride, a 256 x 576 x 3072 FP8 call took 1.2x as long)
+inline int64_t pair_words(int64_t p, int64_t g, int64_t width, bool tiled) {
+  return tiled ? ((p / 16 * (width / 16) + g) * 16 + p % 16) * 16 : p * width + 16 * g;
+}
+
+// the block's weights ([K][width] codes) widened to bfloat16 pairs, laid out as pair_words says
 template <bool FP8>
-inline void widen_block_pairs(const int8_t* block, int64_t k, int64_t width, int32_t* wp) {
+inline void widen_block_pairs(const int8_t* block, int64_t k, int64_t width, int32_t* wp, bool tiled) {
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (int64_t p = 0; p < k / 2; ++p)
     for (int64_t c = 0; c < width; c += 16) {
       const vf even = widen8<FP8>(block + 2 * p * width + c), odd = widen8<FP8>(block + (2 * p + 1) * width + c);
-      _mm512_storeu_si512(wp + p * width + c, _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
-                                                              _mm512_and_si512(_mm512_castps_si512(odd), high)));
+      _mm512_storeu_si512(wp + pair_words(p, c / 16, width, tiled),
+                          _mm512_or_si512(_mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                          _mm512_and_si512(_mm512_castps_si512(odd), high)));
     }
 }
 
@@ -520,12 +567,62 @@ inline void tile_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int
   }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// The pairs on AMX tiles (the `amx` class; tdpbf16ps): the block widened as for vdpbf16ps, tiled (pair_words), and
+// the rows' bfloat16 pairs as A tiles: the same exact products, summed in float32 in the tiles' order. Per 32
+// columns, per 32 rows: C tiles 0-3 (2 x 2), A 4-5, B 6-7; a group's outputs are written under the next group's
+// products. xh: rows on cache lines (ldh x 2 bytes a multiple of 64), readable for 32 rows past r1 (rows past r1
+// are never stored); pairs a multiple of 16.
+template <int V>
+void amx_rows_of_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int32_t* wp, const float* scale,
+                       const float* xscale, const float* bias, uint16_t* y, int64_t n0, int64_t n, int64_t r,
+                       int64_t r1) {
+  constexpr int64_t width = V * 16;
+  infer::configure_tiles();
+  const int64_t kblocks = pairs / 16, lda = ldh * 2;
+  alignas(64) float out[2][32][32];
+  int64_t group = 0, last_row = 0, last_c0 = 0;  // the previous group's outputs are written under this one's products
+  auto write = [&](int64_t g, int64_t row, int64_t c) {
+    store_group<float>(out[g & 1], std::min<int64_t>(32, r1 - row), xscale != nullptr ? xscale + row : nullptr,
+                       scale + c, nullptr, bias, y + row * n, n, n0 + c, n);
+  };
+  for (int64_t c0 = 0; c0 < width && n0 + c0 < n; c0 += 32) {
+    for (int64_t i = r; i < r1; i += 32, ++group) {
+      const bool two = i + 16 < r1;
+      infer::zero_accumulators(two);
+      for (int64_t kb = 0; kb < kblocks; ++kb) {
+        const int32_t* w = wp + pair_words(16 * kb, c0 / 16, width, true);
+        _tile_loadd(6, w, 64);
+        _tile_loadd(7, w + 256, 64);
+        _tile_loadd(4, xh + i * ldh + kb * 32, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, xh + (i + 16) * ldh + kb * 32, lda);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      if (group > 0) write(group - 1, last_row, last_c0);
+      infer::store_accumulators(out[group & 1], two);
+      last_row = i;
+      last_c0 = c0;
+    }
+  }
+  if (group > 0) write(group - 1, last_row, last_c0);
+  _tile_release();
+}
+#endif
+
 // rows r .. r1 of a block already widened to bfloat16 pairs (wp), in tiles of 24 sums, then pairs and single rows;
-// xscale: the rows' scales (FP8) or nullptr (W8A16)
+// xscale: the rows' scales (FP8) or nullptr (W8A16). tiles: on AMX tiles (xh as amx_rows_of_pairs takes it).
 template <int V>
 inline void rows_of_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int32_t* wp, const float* scale,
                           const float* xscale, const float* bias, uint16_t* y, int64_t n0, int64_t n, int64_t r,
-                          int64_t r1) {
+                          int64_t r1, bool tiles) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (tiles) return amx_rows_of_pairs<V>(xh, ldh, pairs, wp, scale, xscale, bias, y, n0, n, r, r1);
+#endif
   auto xs = [&](int64_t row) { return xscale ? xscale + row : nullptr; };
   constexpr int rows = 24 / V;
   int64_t i = r;
@@ -626,14 +723,14 @@ inline void tile_fp8(const uint16_t* xh, int64_t ldh, int64_t pairs, const uint8
 
 // the block's bytes decoded to bfloat16 pairs, [K/2][width] 32-bit words in column order, for tile_pairs
 template <int V>
-inline void widen_block_fp8(const uint8_t* block, int64_t pairs, const E4m3Decoder& d, int32_t* wp) {
+inline void widen_block_fp8(const uint8_t* block, int64_t pairs, const E4m3Decoder& d, int32_t* wp, bool tiled) {
   constexpr int64_t row_bytes = V * 32;
   for (int64_t p = 0; p < pairs; ++p)
     for (int c = 0; c < V / 2; ++c) {
       __m512i first, second;
       d.pairs(block + p * row_bytes + 64 * c, first, second);
-      _mm512_storeu_si512(wp + p * V * 16 + 32 * c, first);
-      _mm512_storeu_si512(wp + p * V * 16 + 32 * c + 16, second);
+      _mm512_storeu_si512(wp + pair_words(p, 2 * c, V * 16, tiled), first);
+      _mm512_storeu_si512(wp + pair_words(p, 2 * c + 1, V * 16, tiled), second);
     }
 }
 
@@ -642,7 +739,7 @@ inline void widen_block_fp8(const uint8_t* block, int64_t pairs, const E4m3Decod
 template <int V>
 inline void rows_of_block_fp8(const uint16_t* xh, int64_t ldh, int64_t pairs, const uint8_t* block, const float* scale,
                               const float* xscale, const float* bias, uint16_t* y, int64_t n0, int64_t n, int64_t r,
-                              int64_t r1) {
+                              int64_t r1, bool tiles) {
   const E4m3Decoder d;
   if (r1 - r < 8) {
     for (; r + 2 <= r1; r += 2)
@@ -652,8 +749,8 @@ inline void rows_of_block_fp8(const uint16_t* xh, int64_t ldh, int64_t pairs, co
   }
   thread_local std::vector<int32_t> wp;
   wp.resize(pairs * V * 16);
-  widen_block_fp8<V>(block, pairs, d, wp.data());
-  rows_of_pairs<V>(xh, ldh, pairs, wp.data(), scale, xscale, bias, y, n0, n, r, r1);
+  widen_block_fp8<V>(block, pairs, d, wp.data(), tiles);
+  rows_of_pairs<V>(xh, ldh, pairs, wp.data(), scale, xscale, bias, y, n0, n, r, r1, tiles);
 }
 #else
 constexpr bool kFp8Table = false;
@@ -663,15 +760,15 @@ constexpr bool kFp8Table = false;
 template <bool FP8, int V>  // vectors a block row: width / kLanes
 inline void rows_of_block16(const float* xf, const uint16_t* xh, int64_t ldh, int64_t k, const int8_t* block,
                             const float* scale, const float* xscale, const float* bias, uint16_t* y, int64_t n0,
-                            int64_t n, int64_t r, int64_t r1) {
+                            int64_t n, int64_t r, int64_t r1, bool tiles) {
   constexpr int64_t width = V * kLanes;
   auto xs = [&](int64_t row) { return xscale ? xscale + row : nullptr; };
 #if defined(__AVX512BF16__)
   if (xh != nullptr) {
     thread_local std::vector<int32_t> wp;
     wp.resize(k / 2 * width);
-    widen_block_pairs<FP8>(block, k, width, wp.data());
-    rows_of_pairs<V>(xh, ldh, k / 2, wp.data(), scale, xscale, bias, y, n0, n, r, r1);
+    widen_block_pairs<FP8>(block, k, width, wp.data(), tiles);
+    rows_of_pairs<V>(xh, ldh, k / 2, wp.data(), scale, xscale, bias, y, n0, n, r, r1, tiles);
     return;
   }
 #endif
@@ -785,34 +882,6 @@ inline void rows_of_block8(const W8A8Args& a, int64_t blk, int64_t r, int64_t r1
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-// y[row0 .. row0 + rows, col .. col + 32) from a group's int32 sums as store_sums8 writes them, a row's 32 outputs
-// in one 64-byte store, what stays in registers hoisted: written as 2 x 16 per row (store_sums8), a 256 x 576 x
-// 3072 call's outputs took longer than its products
-inline void store_group8(const W8A8Args& a, const int32_t (*sums)[32], int64_t row0, int64_t rows, int64_t col) {
-  if (col + 32 > a.n) {
-    for (int64_t q = 0; q < rows; ++q)
-      for (int64_t j = 0; j < 32 && col + j < a.n; j += kLanes) store_sums8(a, sums[q] + j, row0 + q, col + j);
-    return;
-  }
-  const vf ws0 = vload(a.scale + col), ws1 = vload(a.scale + col + kLanes);
-  const vi off0 = vload_i32(a.colsum + col), off1 = vload_i32(a.colsum + col + kLanes);
-  const bool biased = a.bias != nullptr;
-  const vf b0 = biased ? vload(a.bias + col) : vzero(), b1 = biased ? vload(a.bias + col + kLanes) : vzero();
-  const float* xscale = a.xscale + row0;
-  uint16_t* y = a.y + row0 * a.n + col;
-  const int64_t n = a.n;
-  // the high halves of the 32 rounded lanes (bfloat16 bits), first vector's then the second's
-  const __m512i high_halves = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
-                                               31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  for (int64_t q = 0; q < rows; ++q) {
-    const vf xs = vbroadcast(xscale + q);
-    const vf v0 = vfma(vcvt(vsub32(vload_i32(sums[q]), off0)), vmul(xs, ws0), b0);
-    const vf v1 = vfma(vcvt(vsub32(vload_i32(sums[q] + kLanes), off1)), vmul(xs, ws1), b1);
-    _mm512_storeu_si512(y + q * n, _mm512_permutex2var_epi16(infer::bf16_round_bits(v0), high_halves,
-                                                             infer::bf16_round_bits(v1)));
-  }
-}
-
 // W8A8 on AMX-INT8 (tdpbusd), for prompt chunks where the build targets AMX (the `amx` class): the same packed
 // weights and the same offset codes as vpdpbusd, since an A tile is 16 rows of 64 unsigned bytes (a row's codes
 // + 128, k in order) and a B tile 16 quads of 16 columns' 4 signed bytes, which is [K/4][W][4] read 64 bytes a
@@ -820,11 +889,6 @@ inline void store_group8(const W8A8Args& a, const int32_t (*sums)[32], int64_t r
 constexpr int64_t kAmxMinRows = 16;       // fewer rows (a decode step) stream on VNNI: they are bandwidth-bound
 constexpr int64_t kAmxRowChunk = 64;      // rows a work item (a multiple of the 32 a tile pair holds)
 
-// Whether this process may use AMX tile data (asked once; refused: VNNI throughout)
-inline bool amx_granted() {
-  static const bool granted = infer::enable_amx();
-  return granted;
-}
 
 // Rows r .. r1 of one block on tiles: per 32 output columns, per 32 rows, C tiles 0-3 (2 row x 2 column tiles),
 // A tiles 4-5 (rows of codes), B tiles 6-7 (weights). xu: the rows' codes + 128, ldx bytes apart, readable for 32
@@ -854,7 +918,9 @@ void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64
         }
       }
       infer::store_accumulators(out, two);
-      store_group8(a, out, i, std::min<int64_t>(32, r1 - i), blk * a.width + c0);
+      const int64_t col = blk * a.width + c0;
+      store_group<int32_t>(out, std::min<int64_t>(32, r1 - i), a.xscale + i, a.scale + col, a.colsum + col, a.bias,
+                           a.y + i * a.n, a.n, col, a.n);
     }
   }
   _tile_release();
@@ -865,6 +931,18 @@ void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64
 
 namespace {
 
+// Whether a W8A16 / FP8 call of m rows and this many k pairs runs its bfloat16 pairs on AMX tiles: a prompt chunk
+// (16 rows or more; fewer stream on vdpbf16ps, bandwidth-bound), whole tiles of k, where the build targets AMX
+inline bool amx_pairs(int64_t m, int64_t pairs) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return m >= 16 && pairs % 16 == 0 && amx_granted();
+#else
+  (void)m;
+  (void)pairs;
+  return false;
+#endif
+}
+
 // W8A16 (xscale empty: x as it is) and FP8 (x's rows quantized to e4m3 first) over the [blocks, K, W] layout
 template <bool FP8>
 torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
@@ -873,11 +951,14 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
   // step's small linears), over the threads for a prompt chunk: a prompt chunk on vdpbf16ps reads bfloat16
   // pairs (W8A16: x as it is; FP8: its codes), the other tiles float32 (x widened, or its codes)
   const bool pairs = kPairs && m >= 8 && k % 2 == 0;
+  // AMX tiles (prompt chunks of 16 rows or more, K a multiple of 32) read the pairs from rows on cache lines,
+  // readable for 32 rows past the last: copied so (W8A16; FP8's codes are written so)
+  const bool tiles = pairs && amx_pairs(m, k / 2);
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t ldx = x.stride(0);
   float* xf = infer::call_buffer<float>(pairs ? 0 : m * k);
   float* xscale = infer::call_buffer<float, 1>(FP8 ? m : 0);
-  uint16_t* xcodes = infer::call_buffer<uint16_t>(pairs && FP8 ? m * k : 0);
+  uint16_t* xcodes = infer::align_up(infer::call_buffer<uint16_t>(pairs && (FP8 || tiles) ? (m + 32) * k + 32 : 0), 64);
   for_rows(m, k, [&](int64_t r) {
     if constexpr (FP8) {
       if (pairs) {
@@ -887,12 +968,14 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
       } else {
         xscale[r] = quantize_row<true>(xb + r * ldx, k, xf + r * k);
       }
+    } else if (tiles) {
+      std::memcpy(xcodes + r * k, xb + r * ldx, k * 2);
     } else if (!pairs) {
       widen_row(xb + r * ldx, k, xf + r * k);
     }
   });
-  const uint16_t* xh = !pairs ? nullptr : FP8 ? xcodes : xb;
-  const int64_t ldh = FP8 ? k : ldx;
+  const uint16_t* xh = !pairs ? nullptr : FP8 || tiles ? xcodes : xb;
+  const int64_t ldh = FP8 || tiles ? k : ldx;
   auto y = torch::empty({m, n}, x.options());
   const float* xp = xf;
   const float* xs = FP8 ? xscale : nullptr;
@@ -902,9 +985,9 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
     const int8_t* w = wp + blk * k * width;
     const float* s = in.scale + blk * width;
     if (width == 64)
-      rows_of_block16<FP8, 64 / kLanes>(xp, xh, ldh, k, w, s, xs, in.bias, yp, blk * width, n, r, r1);
+      rows_of_block16<FP8, 64 / kLanes>(xp, xh, ldh, k, w, s, xs, in.bias, yp, blk * width, n, r, r1, tiles);
     else
-      rows_of_block16<FP8, 32 / kLanes>(xp, xh, ldh, k, w, s, xs, in.bias, yp, blk * width, n, r, r1);
+      rows_of_block16<FP8, 32 / kLanes>(xp, xh, ldh, k, w, s, xs, in.bias, yp, blk * width, n, r, r1, tiles);
   }, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
   return y;
 }
@@ -917,7 +1000,8 @@ torch::Tensor fp8_pairs_linear(const Int8Inputs& in, const torch::Tensor& x, con
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t ldx = x.stride(0);
   float* xscale = infer::call_buffer<float>(m);
-  uint16_t* xcodes = infer::call_buffer<uint16_t>(m * kp);
+  const bool tiles = amx_pairs(m, pairs);  // (the codes' rows on cache lines, 32 rows past the last readable)
+  uint16_t* xcodes = infer::align_up(infer::call_buffer<uint16_t>((m + 32) * kp + 32), 64);
   for_rows(m, k, [&](int64_t r) {
     xscale[r] = quantize_row<true>(xb + r * ldx, k, xcodes + r * kp);
     if (kp > k) xcodes[r * kp + k] = 0;
@@ -929,9 +1013,9 @@ torch::Tensor fp8_pairs_linear(const Int8Inputs& in, const torch::Tensor& x, con
     const uint8_t* w = wp + blk * kp * width;
     const float* s = in.scale + blk * width;
     if (width == 64)
-      rows_of_block_fp8<4>(xcodes, kp, pairs, w, s, xscale, in.bias, yp, blk * width, n, r, r1);
+      rows_of_block_fp8<4>(xcodes, kp, pairs, w, s, xscale, in.bias, yp, blk * width, n, r, r1, tiles);
     else
-      rows_of_block_fp8<2>(xcodes, kp, pairs, w, s, xscale, in.bias, yp, blk * width, n, r, r1);
+      rows_of_block_fp8<2>(xcodes, kp, pairs, w, s, xscale, in.bias, yp, blk * width, n, r, r1, tiles);
   }, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
   return y;
 }
@@ -1032,6 +1116,9 @@ bool w8a8_amx() {
 #endif
 }
 
+// whether W8A16 / FP8 prompt chunks (16 rows or more, whole tiles of 16 k pairs) run on AMX-BF16 tiles here
+bool pairs_amx() { return amx_pairs(16, 16); }
+
 #else
 
 torch::Tensor int8_linear(torch::Tensor, torch::Tensor, torch::Tensor, int64_t, c10::optional<torch::Tensor>) {
@@ -1048,6 +1135,7 @@ bool available() { return false; }
 bool has_vnni() { return false; }
 bool fp8_pairs() { return false; }
 bool w8a8_amx() { return false; }
+bool pairs_amx() { return false; }
 
 #endif
 
@@ -1064,6 +1152,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether this build has the int8 kernels (its target has AVX2 + FMA at least)");
   m.def("has_vnni", &has_vnni, "whether W8A8 runs on AVX-512 VNNI (vpdpbusd) in this build");
   m.def("w8a8_amx", &w8a8_amx, "whether W8A8 prompt chunks run on AMX-INT8 tiles (tdpbusd) in this process");
+  m.def("pairs_amx", &pairs_amx, "whether W8A16 / FP8 prompt chunks run on AMX-BF16 tiles (tdpbf16ps) in this process");
   m.def("fp8_pairs", &fp8_pairs,
         "whether FP8 weights are decoded by table to bfloat16 pairs (AVX-512 BF16 + VBMI): packed [blocks, K/2, W, 2]");
 }

@@ -247,6 +247,14 @@ class Int8BlocksLinear(QuantLinear):
             return int8_linear.pack_w8a8(w.q, w.scale)
         return (*int8_linear.pack_w8a16(w.q, w.scale), None)
 
+    def prompt_tiles(self) -> bool:
+        """Whether prompt chunks (16 rows or more) run on AMX-BF16 tiles (W8A16: K a multiple of 32)."""
+        return self.colsums is None and self.module.pairs_amx() and self.in_features % 32 == 0
+
+    @property
+    def kernel_name(self) -> str:
+        return super().kernel_name + (" (prompt chunks on amx-bf16)" if self.prompt_tiles() else "")
+
     def run(self, x2: torch.Tensor) -> torch.Tensor:
         if self.colsums is not None:
             return self.module.w8a8_linear(x2, self.packed, self.scales, self.colsums, self.out_features, self.bias_f32)
@@ -279,6 +287,9 @@ class FP8BlocksLinear(Int8BlocksLinear):
     @staticmethod
     def pack(int8_linear, w: QuantWeight):
         return (*int8_linear.pack_fp8(w.q, w.scale), None)
+
+    def prompt_tiles(self) -> bool:  # (K padded to whole pairs, in tiles of 16)
+        return self.module.pairs_amx() and -(-self.in_features // 2) % 16 == 0
 
     def run(self, x2: torch.Tensor) -> torch.Tensor:
         return self.module.fp8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
