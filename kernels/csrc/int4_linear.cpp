@@ -24,6 +24,9 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#if defined(__AMX_TILE__)
+#include "amx_tiles.h"
+#endif
 #include "call_buffer.h"
 #include "float_storage.h"
 #include "prefetch.h"
@@ -284,6 +287,99 @@ void tile_rows(const Args& a, const int32_t* const* wp, int64_t blk, int64_t r, 
   for (; r < r1; ++r) tile_pairs<1, BLOCKS>(a, wp, blk, r);
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Prompt chunks on AMX tiles (the `amx` class; 16 rows or more, K and each group whole tiles of 32 k): a block's
+// pairs (128 + u as bfloat16, as widen_block_pairs makes them) laid out as B tiles, [K/32][2][16 pairs][16 columns]
+// words, each a contiguous 1 KiB, against the rows of x as A tiles; per group, C tiles 0-3 (32 rows x the block's
+// 32 columns) sum that group's products, then y += s (S - o sum x) as scaled_group does, while the tiles work on
+// the next group. The same exact products summed in float32 in the tiles' order: within the float32 sums' rounding
+// of a decode row's result, not bit for bit (tests/test_int4_linear.py).
+inline bool amx_granted() {
+  static const bool granted = infer::enable_amx();
+  return granted;
+}
+
+inline bool amx_prompt(const Args& a) {
+  return a.m >= 16 && a.k % 32 == 0 && (8 * a.group_words) % 32 == 0 && amx_granted();
+}
+
+inline void widen_block_tiles(const Args& a, int64_t blk, int32_t* wt) {
+  const int64_t words = a.k / 8;
+  const uint32_t* wb = a.w + blk * words * BLOCK_N;
+  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
+  for (int64_t kw = 0; kw < words; ++kw) {
+    const uint32_t* word = wb + stored_word(kw, a.group_words, a.groups) * BLOCK_N;
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
+    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
+    const __m512i v0 = _mm512_loadu_si512(word), v1 = _mm512_loadu_si512(word + 16);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int64_t p = 4 * kw + j;  // the pair (k = 2p, 2p + 1)
+      int32_t* out = wt + (p / 16 * 2 * 16 + p % 16) * 16;
+      _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v0, 4 * j), nibbles, exponent, 0xEA));
+      _mm512_storeu_si512(out + 256, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA));
+    }
+  }
+}
+
+// y[r .. r1, block blk's columns] from its tiles wt; xa: the rows of x on cache lines (K values apart), readable for
+// 32 rows past r1 (rows past r1 are never stored)
+void amx_rows(const Args& a, const uint16_t* xa, int64_t blk, const int32_t* wt, int64_t r, int64_t r1) {
+  infer::configure_tiles();
+  const int64_t tiles_a_group = 8 * a.group_words / 32, lda = 2 * a.k;
+  alignas(64) float sums[2][32][32];
+  alignas(64) float y[32][32];
+  for (int64_t i = r; i < r1; i += 32) {
+    const bool two = i + 16 < r1;
+    const int64_t rows = std::min<int64_t>(32, r1 - i);
+    // y += s (S - o sum x) for group g's sums S (as scaled_group, in group order)
+    auto add_group = [&](int64_t g, const float (*s)[32]) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = (blk * a.groups + g) * BLOCK_N + 16 * h;
+        const __m512 o = a.offset != nullptr ? _mm512_loadu_ps(a.offset + at) : _mm512_set1_ps(136.f);
+        const __m512 scale = _mm512_loadu_ps(a.scale + at);
+        for (int64_t q = 0; q < rows; ++q) {
+          const __m512 xs = _mm512_set1_ps(a.xsum[(i + q) * a.groups + g]);
+          _mm512_store_ps(y[q] + 16 * h, _mm512_fmadd_ps(scale, _mm512_fnmadd_ps(o, xs, _mm512_load_ps(s[q] + 16 * h)),
+                                                         _mm512_load_ps(y[q] + 16 * h)));
+        }
+      }
+    };
+    for (int64_t q = 0; q < rows; ++q) std::memset(y[q], 0, sizeof(y[q]));
+    for (int64_t g = 0; g < a.groups; ++g) {
+      infer::zero_accumulators(two);
+      for (int64_t t = 0; t < tiles_a_group; ++t) {
+        const int64_t kb = g * tiles_a_group + t;
+        _tile_loadd(6, wt + kb * 512, 64);
+        _tile_loadd(7, wt + kb * 512 + 256, 64);
+        _tile_loadd(4, xa + i * a.k + kb * 32, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, xa + (i + 16) * a.k + kb * 32, lda);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      if (g > 0) add_group(g - 1, sums[(g - 1) & 1]);
+      infer::store_accumulators(sums[g & 1], two);
+    }
+    add_group(a.groups - 1, sums[(a.groups - 1) & 1]);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t col = blk * BLOCK_N + 16 * h;
+      if (col >= a.n) break;
+      const __mmask16 live = col + 16 <= a.n ? 0xFFFF : static_cast<__mmask16>((1u << (a.n - col)) - 1);
+      const __m512 b = a.bias != nullptr ? _mm512_maskz_loadu_ps(live, a.bias + col) : _mm512_setzero_ps();
+      for (int64_t q = 0; q < rows; ++q)
+        _mm256_mask_storeu_epi16(a.y + (i + q) * a.n + col, live, to_bf16(_mm512_add_ps(_mm512_load_ps(y[q] + 16 * h), b)));
+    }
+  }
+  _tile_release();
+}
+#else
+inline bool amx_prompt(const Args&) { return false; }
+#endif
+
 // Rows r .. r1 of blocks blk .. blk + kPairBlocks (one at an odd weight's last block), each widened once first.
 void rows_widened(const Args& a, int64_t blk, int64_t r, int64_t r1, int64_t blocks) {
   thread_local std::vector<int32_t> buffer;
@@ -338,6 +434,22 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     for (int64_t r = 0; r < m; ++r) sum_row(r);
   const Args a{xp, xsum, reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
                reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups, group_size / 8};
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_prompt(a)) {
+    // x's rows copied onto cache lines, with 32 rows to spare (a partial row tile reads past the last row)
+    uint16_t* xa = infer::align_up(infer::call_buffer<uint16_t, 2>((m + 32) * k + 32), 64);
+    at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
+      std::memcpy(xa + first * k, xp + first * k, (last - first) * k * sizeof(uint16_t));
+    });
+    infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
+      thread_local std::vector<int32_t> tiles;
+      tiles.resize(k / 2 * BLOCK_N);
+      widen_block_tiles(a, blk, tiles.data());
+      amx_rows(a, xa, blk, tiles.data(), r0, r1);
+    }, kWidenedRowChunk);
+    return y;
+  }
+#endif
   if (widened)
     infer::for_blocks_and_rows(
         m, (blocks + kPairBlocks - 1) / kPairBlocks,
@@ -349,6 +461,14 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 bool available() { return true; }
+// whether prompt chunks (16 rows or more; K and each group whole tiles of 32) run on AMX-BF16 tiles here
+bool prompt_amx() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_granted();
+#else
+  return false;
+#endif
+}
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -662,6 +782,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 bool available() { return true; }
+bool prompt_amx() { return false; }
 
 #else
 
@@ -671,6 +792,7 @@ torch::Tensor int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::opti
 }
 
 bool available() { return false; }
+bool prompt_amx() { return false; }
 
 #endif
 
@@ -713,5 +835,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "int4 grouped-weight linear over a packed weight (CPU: AVX-512 BF16, AVX-512F or AVX2 + FMA)",
         py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has the int4 kernel (its target has AVX2 + FMA at least)");
+  m.def("prompt_amx", &prompt_amx, "whether prompt chunks run on AMX-BF16 tiles (tdpbf16ps) in this process");
 }
 #endif
