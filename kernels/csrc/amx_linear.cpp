@@ -34,7 +34,6 @@ constexpr int64_t kRowBlockBytes = 512 << 10;  // rows of x worked on together: 
 // of their loads (they come from memory the first time a thread reads them, from cache after).
 void pair_products(const at::BFloat16* xa, int64_t lda, bool two, int64_t kblocks, const at::BFloat16* w0,
                    const at::BFloat16* w1, bool prefetch) {
-  const at::BFloat16* xb = xa + kTileRows * (lda / 2);
   infer::zero_accumulators(two);
   for (int64_t kb = 0; kb < kblocks; ++kb) {
     if (prefetch) {
@@ -45,16 +44,7 @@ void pair_products(const at::BFloat16* xa, int64_t lda, bool two, int64_t kblock
         _mm_prefetch(ahead1 + line, _MM_HINT_T0);
       }
     }
-    _tile_loadd(6, w0 + kb * kTileRows * kTileK, 64);
-    _tile_loadd(7, w1 + kb * kTileRows * kTileK, 64);
-    _tile_loadd(4, xa + kb * kTileK, lda);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (two) {
-      _tile_loadd(5, xb + kb * kTileK, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    infer::tile_step<false>(xa + kb * kTileK, lda, w0 + kb * kTileRows * kTileK, w1 + kb * kTileRows * kTileK, 64, two);
   }
 }
 

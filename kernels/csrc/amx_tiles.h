@@ -53,11 +53,46 @@ inline void store_accumulators(T (*c)[32], bool two) {
   }
 }
 
+// One k step of that blocking: B tiles 6-7 from b0 and b1 (ldb bytes a row), A tile 4 from a and, where `two`, A
+// tile 5 from 16 rows further (lda bytes a row), and their four products into the C tiles: bfloat16 pairs summed in
+// float32 (tdpbf16ps) or, INT8, unsigned by signed bytes summed exactly in int32 (tdpbusd).
+template <bool INT8>
+inline void tile_step(const void* a, int64_t lda, const void* b0, const void* b1, int64_t ldb, bool two) {
+  _tile_loadd(6, b0, ldb);
+  _tile_loadd(7, b1, ldb);
+  _tile_loadd(4, a, lda);
+#if defined(__AMX_INT8__)
+  if constexpr (INT8) {
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, static_cast<const char*>(a) + 16 * lda, lda);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+    return;
+  }
+#endif
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (two) {
+    _tile_loadd(5, static_cast<const char*>(a) + 16 * lda, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
 // Asks the kernel for permission to use AMX tile data in this process (Linux 5.16+); false if refused.
 inline bool enable_amx() {
   constexpr int kArchReqXcompPerm = 0x1023;
   constexpr int kXfeatureXtiledata = 18;
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+// Whether this process may use AMX tile data, asked once (refused: the kernels' vector paths throughout)
+inline bool amx_granted() {
+  static const bool granted = enable_amx();
+  return granted;
 }
 
 }  // namespace infer

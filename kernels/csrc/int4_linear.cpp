@@ -210,7 +210,8 @@ void rows(const Args& a, int64_t blk, int64_t r, int64_t r1) {
 // K x 64 bytes, in cache), then tiles of rows that do nothing but vdpbf16ps on them: the same products summed in
 // the same order, so every row's result is the one `tile` gives, bit for bit. Decoding the nibbles in every tile
 // of 6 rows left a 256-row chunk at 0.84x the bfloat16 linear's rate on Zen 5.
-inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
+// tiled (AMX prompt chunks): as B tiles instead, [K/32][2][16 pairs][16 columns] words, each tile a contiguous 1 KiB
+inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp, bool tiled = false) {
   const int64_t words = a.k / 8;
   const uint32_t* wb = a.w + blk * words * BLOCK_N;
   const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
@@ -221,9 +222,11 @@ inline void widen_block_pairs(const Args& a, int64_t blk, int32_t* wp) {
     const __m512i v0 = _mm512_loadu_si512(word), v1 = _mm512_loadu_si512(word + 16);
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      int32_t* out = wp + (4 * kw + j) * BLOCK_N;
+      const int64_t p = 4 * kw + j;  // the pair (k = 2p, 2p + 1)
+      int32_t* out = tiled ? wp + (p / 16 * 2 * 16 + p % 16) * 16 : wp + p * BLOCK_N;
       _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v0, 4 * j), nibbles, exponent, 0xEA));
-      _mm512_storeu_si512(out + 16, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA));
+      _mm512_storeu_si512(out + (tiled ? 256 : 16),
+                          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA));
     }
   }
 }
@@ -294,32 +297,9 @@ void tile_rows(const Args& a, const int32_t* const* wp, int64_t blk, int64_t r, 
 // 32 columns) sum that group's products, then y += s (S - o sum x) as scaled_group does, while the tiles work on
 // the next group. The same exact products summed in float32 in the tiles' order: within the float32 sums' rounding
 // of a decode row's result, not bit for bit (tests/test_int4_linear.py).
-inline bool amx_granted() {
-  static const bool granted = infer::enable_amx();
-  return granted;
-}
 
 inline bool amx_prompt(const Args& a) {
-  return a.m >= 16 && a.k % 32 == 0 && (8 * a.group_words) % 32 == 0 && amx_granted();
-}
-
-inline void widen_block_tiles(const Args& a, int64_t blk, int32_t* wt) {
-  const int64_t words = a.k / 8;
-  const uint32_t* wb = a.w + blk * words * BLOCK_N;
-  const __m512i nibbles = _mm512_set1_epi32(0x000F000F), exponent = _mm512_set1_epi32(0x43004300);
-  for (int64_t kw = 0; kw < words; ++kw) {
-    const uint32_t* word = wb + stored_word(kw, a.group_words, a.groups) * BLOCK_N;
-    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word);
-    infer::prefetch_ahead<infer::kDecodingPrefetchBytes>(word + 16);
-    const __m512i v0 = _mm512_loadu_si512(word), v1 = _mm512_loadu_si512(word + 16);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const int64_t p = 4 * kw + j;  // the pair (k = 2p, 2p + 1)
-      int32_t* out = wt + (p / 16 * 2 * 16 + p % 16) * 16;
-      _mm512_storeu_si512(out, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v0, 4 * j), nibbles, exponent, 0xEA));
-      _mm512_storeu_si512(out + 256, _mm512_ternarylogic_epi32(_mm512_srli_epi32(v1, 4 * j), nibbles, exponent, 0xEA));
-    }
-  }
+  return a.m >= 16 && a.k % 32 == 0 && (8 * a.group_words) % 32 == 0 && infer::amx_granted();
 }
 
 // y[r .. r1, block blk's columns] from its tiles wt; xa: the rows of x on cache lines (K values apart), readable for
@@ -350,16 +330,7 @@ void amx_rows(const Args& a, const uint16_t* xa, int64_t blk, const int32_t* wt,
       infer::zero_accumulators(two);
       for (int64_t t = 0; t < tiles_a_group; ++t) {
         const int64_t kb = g * tiles_a_group + t;
-        _tile_loadd(6, wt + kb * 512, 64);
-        _tile_loadd(7, wt + kb * 512 + 256, 64);
-        _tile_loadd(4, xa + i * a.k + kb * 32, lda);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, xa + (i + 16) * a.k + kb * 32, lda);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        infer::tile_step<false>(xa + i * a.k + kb * 32, lda, wt + kb * 512, wt + kb * 512 + 256, 64, two);
       }
       if (g > 0) add_group(g - 1, sums[(g - 1) & 1]);
       infer::store_accumulators(sums[g & 1], two);
@@ -444,7 +415,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
     infer::for_blocks_and_rows(m, blocks, [&](int64_t blk, int64_t r0, int64_t r1) {
       thread_local std::vector<int32_t> tiles;
       tiles.resize(k / 2 * BLOCK_N);
-      widen_block_tiles(a, blk, tiles.data());
+      widen_block_pairs(a, blk, tiles.data(), true);
       amx_rows(a, xa, blk, tiles.data(), r0, r1);
     }, kWidenedRowChunk);
     return y;
@@ -464,7 +435,7 @@ bool available() { return true; }
 // whether prompt chunks (16 rows or more; K and each group whole tiles of 32) run on AMX-BF16 tiles here
 bool prompt_amx() {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_granted();
+  return infer::amx_granted();
 #else
   return false;
 #endif

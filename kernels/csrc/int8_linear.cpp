@@ -385,11 +385,6 @@ INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, in
 }
 
 #if defined(__AMX_TILE__)
-// Whether this process may use AMX tile data (asked once; refused: the vector kernels throughout)
-inline bool amx_granted() {
-  static const bool granted = infer::enable_amx();
-  return granted;
-}
 
 // An AMX group's outputs: rows x 32 columns from col of y (row 0 at y, ldy apart) from its sums (int32 less 128 x
 // colsum, W8A8; or float32), each times x_scale (xscale: the rows', or nullptr) * w_scale (wscale: col's on), plus
@@ -592,16 +587,7 @@ void amx_rows_of_pairs(const uint16_t* xh, int64_t ldh, int64_t pairs, const int
       infer::zero_accumulators(two);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
         const int32_t* w = wp + pair_words(16 * kb, c0 / 16, width, true);
-        _tile_loadd(6, w, 64);
-        _tile_loadd(7, w + 256, 64);
-        _tile_loadd(4, xh + i * ldh + kb * 32, lda);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, xh + (i + 16) * ldh + kb * 32, lda);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        infer::tile_step<false>(xh + i * ldh + kb * 32, lda, w, w + 256, 64, two);
       }
       if (group > 0) write(group - 1, last_row, last_c0);
       infer::store_accumulators(out[group & 1], two);
@@ -906,16 +892,7 @@ void amx_rows_of_block8(const W8A8Args& a, const uint8_t* xu, int64_t ldx, int64
       infer::zero_accumulators(two);
       for (int64_t kb = 0; kb < kblocks; ++kb) {
         const int8_t* w = wb + kb * 16 * ldw + c0 * 4;
-        _tile_loadd(6, w, ldw);
-        _tile_loadd(7, w + 64, ldw);
-        _tile_loadd(4, xu + i * ldx + kb * 64, ldx);
-        _tile_dpbusd(0, 4, 6);
-        _tile_dpbusd(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, xu + (i + 16) * ldx + kb * 64, ldx);
-          _tile_dpbusd(2, 5, 6);
-          _tile_dpbusd(3, 5, 7);
-        }
+        infer::tile_step<true>(xu + i * ldx + kb * 64, ldx, w, w + 64, ldw, two);
       }
       infer::store_accumulators(out, two);
       const int64_t col = blk * a.width + c0;
@@ -935,7 +912,7 @@ namespace {
 // (16 rows or more; fewer stream on vdpbf16ps, bandwidth-bound), whole tiles of k, where the build targets AMX
 inline bool amx_pairs(int64_t m, int64_t pairs) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return m >= 16 && pairs % 16 == 0 && amx_granted();
+  return m >= 16 && pairs % 16 == 0 && infer::amx_granted();
 #else
   (void)m;
   (void)pairs;
@@ -1054,7 +1031,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   // each row's codes, laid out as the tiles broadcast them
   const int64_t xwords = kVnni ? quads : 2 * quads;
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-  const bool tiles = m >= kAmxMinRows && k % 64 == 0 && amx_granted();
+  const bool tiles = m >= kAmxMinRows && k % 64 == 0 && infer::amx_granted();
 #else
   constexpr bool tiles = false;
 #endif
@@ -1110,7 +1087,7 @@ bool fp8_pairs() { return kFp8Table; }
 // whether W8A8 prompt chunks (16 rows or more, K a multiple of 64) run on AMX-INT8 tiles in this process
 bool w8a8_amx() {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-  return amx_granted();
+  return infer::amx_granted();
 #else
   return false;
 #endif
