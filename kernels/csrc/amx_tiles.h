@@ -55,7 +55,8 @@ inline void store_accumulators(T (*c)[32], bool two) {
 
 // One k step of that blocking: B tiles 6-7 from b0 and b1 (ldb bytes a row), A tile 4 from a and, where `two`, A
 // tile 5 from 16 rows further (lda bytes a row), and their four products into the C tiles: bfloat16 pairs summed in
-// float32 (tdpbf16ps) or, INT8, unsigned by signed bytes summed exactly in int32 (tdpbusd).
+// float32 (tdpbf16ps) or, INT8, unsigned by signed bytes summed exactly in int32 (tdpbusd). (The two are spelled
+// out: the tile intrinsics are macros that need literal tile numbers, not template arguments.)
 template <bool INT8>
 inline void tile_step(const void* a, int64_t lda, const void* b0, const void* b1, int64_t ldb, bool two) {
   _tile_loadd(6, b0, ldb);
