@@ -297,7 +297,6 @@ void tile_rows(const Args& a, const int32_t* const* wp, int64_t blk, int64_t r, 
 // 32 columns) sum that group's products, then y += s (S - o sum x) as scaled_group does, while the tiles work on
 // the next group. The same exact products summed in float32 in the tiles' order: within the float32 sums' rounding
 // of a decode row's result, not bit for bit (tests/test_int4_linear.py).
-
 inline bool amx_prompt(const Args& a) {
   return a.m >= 16 && a.k % 32 == 0 && (8 * a.group_words) % 32 == 0 && infer::amx_granted();
 }

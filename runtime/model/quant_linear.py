@@ -202,6 +202,13 @@ class Int4BlocksLinear(QuantLinear):
         self.register_buffer("bias_f32", None if self.bias is None else self.bias.detach().float().contiguous(),
                              persistent=False)
 
+    @property
+    def kernel_name(self) -> str:
+        # prompt chunks (16 rows or more) on AMX-BF16 tiles where K and each group are whole tiles of 32
+        groups = self.scales.shape[1]
+        tiles = self.module.prompt_amx() and self.in_features % 32 == 0 and (self.in_features // groups) % 32 == 0
+        return super().kernel_name + (" (prompt chunks on amx-bf16)" if tiles else "")
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
