@@ -385,11 +385,11 @@ INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, in
 }
 
 #if defined(__AMX_TILE__)
-
 // An AMX group's outputs: rows x 32 columns from col of y (row 0 at y, ldy apart) from its sums (int32 less 128 x
-// colsum, W8A8; or float32), each times x_scale (xscale: the rows', or nullptr) * w_scale (wscale: col's on), plus
-// the bias, rounded once to bfloat16, as store_row does, a row's 32 outputs in one 64-byte store with what stays
-// in registers hoisted (written 16 at a time, a 256 x 576 x 3072 W8A8 call's outputs took longer than its products)
+// colsum, W8A8; or float32), each times x_scale (xscale: the rows', or nullptr) * w_scale (wscale, colsum: from col
+// on), plus the bias, rounded once to bfloat16 as store_row does; a row's 32 outputs in one 64-byte store, what
+// stays in registers hoisted (written 16 at a time, a 256 x 576 x 3072 W8A8 call's outputs took longer than its
+// products)
 template <typename Sum>
 inline void store_group(const Sum (*sums)[32], int64_t rows, const float* xscale, const float* wscale,
                         const int32_t* colsum, const float* bias, uint16_t* y, int64_t ldy, int64_t col, int64_t n) {
