@@ -142,7 +142,10 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
                               extra_ldflags=[f for f in cflags if f == "-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no headers: fall back, loudly
         reason = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        if not (isinstance(e, OSError) or "No space left on device" in str(e)):
+        # not remembered: the machine's faults, and a module missing after a wait on another process's lock
+        # (that process died before linking it: the next load builds it)
+        if not (isinstance(e, OSError) or "No space left on device" in str(e)
+                or "cannot open shared object file" in str(e)):
             try:
                 failed.write_text(str(e) or type(e).__name__)
             except OSError:
