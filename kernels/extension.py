@@ -14,8 +14,7 @@ A build that failed to compile is remembered by its key, so not every process pa
 again; a failure of the machine (a full disk, a permission) is not remembered, so the next process
 retries. Callers fall back to plain torch ops, and say so (the kernel resolver decides). A process killed
 while compiling leaves torch's build lock (``lock`` in the build directory), on which every later load
-would wait forever: a build waits while a lock is younger than any compile takes (STALE_LOCK_S), then removes it,
-with a warning.
+would wait forever: a lock older than any compile takes (STALE_LOCK_S) is removed, with a warning.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ log = logging.getLogger("infer.kernels")
 CSRC = Path(__file__).resolve().parent / "csrc"
 BASE_FLAGS = ["-O3"]  # and the class's target flags (isa.compile_flags)
 STALE_LOCK_S = 600  # a kernel compiles in about a minute (step_layers.cpp, the largest, ~2 on 2 cores)
-LOCK_POLL_S = 1.0
 
 
 def cache_root() -> Path:
@@ -89,28 +87,6 @@ def _copy_sources(files: dict[str, bytes], into: Path) -> None:
             copy.write_bytes(data)
 
 
-def _wait_for_lock(lock: Path, name: str) -> None:
-    """Waits while another process holds torch's build lock (its FileBaton) on this kernel, as torch would, but
-    not forever: a lock older than STALE_LOCK_S was left by a process killed while compiling (torch's own wait never
-    ends on one, and a rerun right after the kill found it fresh), so it is removed, with a warning."""
-    said = False
-    while True:
-        try:
-            age = time.time() - lock.stat().st_mtime
-        except FileNotFoundError:
-            return
-        if age > STALE_LOCK_S:
-            log.warning("removing %s: a build lock %.0f s old, left by a process killed while compiling %s", lock,
-                        age, name)
-            lock.unlink(missing_ok=True)
-            return
-        if not said:
-            log.warning("waiting for another process compiling %s (%s); a lock left by a killed one is removed "
-                        "once %d s old", name, lock, STALE_LOCK_S)
-            said = True
-        time.sleep(LOCK_POLL_S)
-
-
 def build(name: str, source: str, cflags: list[str]) -> object | None:
     """The compiled module for ``csrc/<source>``, or None (with a warning) when it cannot be built."""
     if os.environ.get("INFER_DISABLE_CPP_KERNELS") == "1":
@@ -125,7 +101,15 @@ def build(name: str, source: str, cflags: list[str]) -> object | None:
         log.warning("C++ kernel %s failed to build before (%s); using torch ops; delete that file to retry",
                     name, failed)
         return None
-    _wait_for_lock(directory / "lock", name)
+    lock = directory / "lock"  # torch.utils.cpp_extension's FileBaton
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        age = 0.0
+    if age > STALE_LOCK_S:
+        log.warning("removing %s: a build lock %.0f s old, left by a process killed while compiling %s", lock, age,
+                    name)
+        lock.unlink(missing_ok=True)
     fresh = not any(directory.glob("*.so"))
     if fresh:
         log.warning("compiling the C++ kernel %s (about a minute, once; `python -m infer.kernels build` does it "
