@@ -4,7 +4,7 @@
 // A request whose system prompt is cached computes a short chunk (~30 tokens) that attends to the
 // whole context (~430 tokens). torch's flash SDPA needs the context gathered and padded first, and
 // spends ~0.3 ms a layer on such small shapes (a burst of 31 chunks: 11 ms a layer). Here one task
-// per (chunk, KV head) takes the rows of the query heads sharing that KV head, and in two passes
+// per (chunk, 64 of its rows, KV head) takes those rows of the query heads sharing that KV head, and in two passes
 // over the context computes scores S = Q K^T on tiles, a masked softmax per row in float32, and
 // O = P V on tiles, normalising in float32 at the end. K and V are rearranged per task into the
 // tile layout (dimension pairs, token pairs), reading the cache in place through the block table.
@@ -17,26 +17,35 @@
 #include "float_storage.h"
 #include "simd_math.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 namespace {
 
 using infer::kTileK;
 using infer::kTileRows;
-constexpr int64_t kBlock = 16;  // tokens per cache block: one B tile's columns
+constexpr int64_t kBlock = 16;     // tokens per cache block: one B tile's columns
+constexpr int64_t kJobRows = 64;   // chunk rows a task takes, for every query head of its KV head
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// A task's scratch space, left uninitialised: every element is written before it is read.
-template <typename T>
-struct Buffer {
-  explicit Buffer(int64_t n) : p(new T[n]) {}
-  T* data() { return p.get(); }
-  std::unique_ptr<T[]> p;
+// A worker's scratch space, kept from one call to the next (allocated per task, a 256-token prompt's ~1 MiB came
+// from the OS every layer, page faults and all), left uninitialised: every element is written before it is read.
+struct Scratch {
+  std::vector<at::BFloat16> q, p, v;
+  std::vector<uint32_t> k;
+  std::vector<float> s, inv_sum;
 };
+thread_local Scratch scratch;
+
+template <typename T>
+T* at_least(std::vector<T>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 struct Task {
   const at::BFloat16* q;
@@ -49,21 +58,28 @@ struct Task {
   float scale;
 };
 
-// One chunk's rows for KV head h: rows r = g * n + i are query head h * group + g at chunk row i.
-void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const int64_t* table, int64_t h,
+// Chunk rows i0 .. i0 + m - 1 of a chunk for KV head h: rows r = g * m + i are query head h * group + g at chunk
+// row i0 + i, which sees the keys up to cached + i0 + i. Each 16-row tile computes scores, probabilities and
+// values only over the keys its last row sees (a causal prompt's tiles see a triangle, not the square).
+void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cached, const int64_t* table, int64_t h,
                 int64_t group) {
-  const int64_t d = t.d, dk = d / kTileK, len = cached + n;
-  const int64_t rows = group * n, rows_pad = round_up(rows, kTileRows);
+  const int64_t d = t.d, dk = d / kTileK, len = cached + i0 + m;
+  const int64_t rows = group * m, rows_pad = round_up(rows, kTileRows);
   const int64_t keys16 = round_up(len, kBlock), keys32 = round_up(len, 2 * kBlock);
   const int64_t token_row = t.kv_heads * d;  // elements between consecutive tokens of a cache block
+  // the keys row tile rt sees: up to its last row's, or all the job's where the tile spans two query heads
+  const auto tile_keys = [&](int64_t rt) {
+    const int64_t first = rt * kTileRows, last = std::min(rows, first + kTileRows) - 1;
+    return cached + i0 + (first / m == last / m ? last % m : m - 1) + 1;
+  };
 
   // Q as A tiles: [row tile][d / 32][16][32]
-  Buffer<at::BFloat16> qt(rows_pad * d);
+  at::BFloat16* qt = at_least(scratch.q, rows_pad * d);
   for (int64_t r = 0; r < rows_pad; ++r) {
-    at::BFloat16* dst = qt.data() + (r / kTileRows) * dk * kTileRows * kTileK + (r % kTileRows) * kTileK;
+    at::BFloat16* dst = qt + (r / kTileRows) * dk * kTileRows * kTileK + (r % kTileRows) * kTileK;
     for (int64_t c = 0; c < dk; ++c, dst += kTileRows * kTileK) {
       if (r < rows) {
-        const at::BFloat16* src = t.q + (start + r % n) * t.q_row + (h * group + r / n) * t.q_head + c * kTileK;
+        const at::BFloat16* src = t.q + (start + i0 + r % m) * t.q_row + (h * group + r / m) * t.q_head + c * kTileK;
         std::memcpy(dst, src, kTileK * sizeof(at::BFloat16));
       } else {
         std::memset(dst, 0, kTileK * sizeof(at::BFloat16));
@@ -72,39 +88,40 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
   }
   // K^T as B tiles, per block of 16 tokens and 32 dimensions: row p holds, for each token, the
   // pair of dimensions (2p, 2p + 1): the 32-bit words of the key rows, transposed.
-  Buffer<uint32_t> kt(keys16 / kBlock * dk * kTileRows * kBlock);
+  uint32_t* kt = at_least(scratch.k, keys16 / kBlock * dk * kTileRows * kBlock);
   for (int64_t b = 0; b < keys16 / kBlock; ++b) {
     const uint32_t* block = reinterpret_cast<const uint32_t*>(t.k_cache + (table[b] * kBlock * t.kv_heads + h) * d);
     for (int64_t c = 0; c < dk; ++c) {
-      uint32_t* tile = kt.data() + (b * dk + c) * kTileRows * kBlock;
+      uint32_t* tile = kt + (b * dk + c) * kTileRows * kBlock;
       for (int64_t tok = 0; tok < kBlock; ++tok)
         for (int64_t p = 0; p < kTileRows; ++p) tile[p * kBlock + tok] = block[tok * token_row / 2 + c * kTileRows + p];
     }
   }
-  // S = Q K^T, float32 [rows_pad][keys16]
-  Buffer<float> s(rows_pad * keys16);
+  // S = Q K^T, float32 [rows_pad][keys16], each row tile over the key blocks it sees
+  float* s = at_least(scratch.s, rows_pad * keys16);
   for (int64_t rt = 0; rt < rows_pad / kTileRows; ++rt)
-    for (int64_t b = 0; b < keys16 / kBlock; ++b) {
+    for (int64_t b = 0; b < round_up(tile_keys(rt), kBlock) / kBlock; ++b) {
       _tile_zero(0);
       for (int64_t c = 0; c < dk; ++c) {
-        _tile_loadd(1, qt.data() + (rt * dk + c) * kTileRows * kTileK, 64);
-        _tile_loadd(2, kt.data() + (b * dk + c) * kTileRows * kBlock, 64);
+        _tile_loadd(1, qt + (rt * dk + c) * kTileRows * kTileK, 64);
+        _tile_loadd(2, kt + (b * dk + c) * kTileRows * kBlock, 64);
         _tile_dpbf16ps(0, 1, 2);
       }
-      _tile_stored(0, s.data() + rt * kTileRows * keys16 + b * kBlock, keys16 * sizeof(float));
+      _tile_stored(0, s + rt * kTileRows * keys16 + b * kBlock, keys16 * sizeof(float));
     }
-  // softmax per row over the keys it may see (up to cached + i), as bfloat16 P [rows_pad][keys32],
-  // unnormalised (exp(s - max) in [0, 1]); 1 / sum kept in float32 for the end
-  Buffer<at::BFloat16> pt(rows_pad * keys32);
-  std::vector<float> inv_sum(rows_pad, 0.f);
+  // softmax per row over the keys it may see (up to cached + i0 + i), as bfloat16 P [rows_pad][keys32],
+  // unnormalised (exp(s - max) in [0, 1]), zero up to its tile's width; 1 / sum kept in float32 for the end
+  at::BFloat16* pt = at_least(scratch.p, rows_pad * keys32);
+  float* inv_sum = at_least(scratch.inv_sum, rows_pad);
   for (int64_t r = 0; r < rows; ++r)
-    inv_sum[r] = infer::softmax_row_bf16(s.data() + r * keys16, cached + r % n + 1, keys32, t.scale,
-                                         reinterpret_cast<uint16_t*>(pt.data() + r * keys32));
-  for (int64_t r = rows; r < rows_pad; ++r) std::memset(pt.data() + r * keys32, 0, keys32 * sizeof(at::BFloat16));
+    inv_sum[r] = infer::softmax_row_bf16(s + r * keys16, cached + i0 + r % m + 1,
+                                         round_up(tile_keys(r / kTileRows), 2 * kBlock), t.scale,
+                                         reinterpret_cast<uint16_t*>(pt + r * keys32));
+  for (int64_t r = rows; r < rows_pad; ++r) std::memset(pt + r * keys32, 0, keys32 * sizeof(at::BFloat16));
   // V as B tiles, per 32 tokens and 16 dimensions: row p holds, for each dimension, tokens 2p and
   // 2p + 1. Tokens past the context are zero (their cache slots may hold anything).
   const int64_t dv = d / kTileRows;
-  Buffer<at::BFloat16> vt(keys32 / (2 * kBlock) * dv * kTileRows * 2 * kTileRows);
+  at::BFloat16* vt = at_least(scratch.v, keys32 / (2 * kBlock) * dv * kTileRows * 2 * kTileRows);
   const auto token_row_at = [&](int64_t tok) {
     return t.v_cache + ((table[tok / kBlock] * kBlock + tok % kBlock) * t.kv_heads + h) * d;
   };
@@ -121,12 +138,14 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
         const __m512i hi = r1 != nullptr ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                                                reinterpret_cast<const __m256i*>(r1 + c * kTileRows)))
                                          : _mm512_setzero_si512();
-        _mm512_storeu_si512(vt.data() + (g * dv + c) * kTileRows * 2 * kTileRows + p * 2 * kTileRows,
+        _mm512_storeu_si512(vt + (g * dv + c) * kTileRows * 2 * kTileRows + p * 2 * kTileRows,
                             _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
       }
     }
-  // O = P V, four 16-dimension column tiles at a time (tmm0-3), normalised and rounded at the end
+  // O = P V, four 16-dimension column tiles at a time (tmm0-3; V in tmm5-7, the fourth in tmm5 again), each row
+  // tile over the token pairs it sees; normalised and rounded at the end
   alignas(64) float o[kTileRows][4 * kTileRows];
+  const auto v_tile = [&](int64_t g, int64_t c) { return vt + (g * dv + c) * kTileRows * 2 * kTileRows; };
   for (int64_t rt = 0; rt < rows_pad / kTileRows; ++rt)
     for (int64_t c0 = 0; c0 < dv; c0 += 4) {
       const int64_t cols = std::min<int64_t>(4, dv - c0);
@@ -134,20 +153,20 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t g = 0; g < keys32 / (2 * kBlock); ++g) {
-        _tile_loadd(4, pt.data() + rt * kTileRows * keys32 + g * 2 * kBlock, keys32 * sizeof(at::BFloat16));
-        _tile_loadd(5, vt.data() + (g * dv + c0) * kTileRows * 2 * kTileRows, 64);
+      for (int64_t g = 0; g < round_up(tile_keys(rt), 2 * kBlock) / (2 * kBlock); ++g) {
+        _tile_loadd(4, pt + rt * kTileRows * keys32 + g * 2 * kBlock, keys32 * sizeof(at::BFloat16));
+        _tile_loadd(5, v_tile(g, c0), 64);
         _tile_dpbf16ps(0, 4, 5);
         if (cols > 1) {
-          _tile_loadd(5, vt.data() + (g * dv + c0 + 1) * kTileRows * 2 * kTileRows, 64);
-          _tile_dpbf16ps(1, 4, 5);
+          _tile_loadd(6, v_tile(g, c0 + 1), 64);
+          _tile_dpbf16ps(1, 4, 6);
         }
         if (cols > 2) {
-          _tile_loadd(5, vt.data() + (g * dv + c0 + 2) * kTileRows * 2 * kTileRows, 64);
-          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(7, v_tile(g, c0 + 2), 64);
+          _tile_dpbf16ps(2, 4, 7);
         }
         if (cols > 3) {
-          _tile_loadd(5, vt.data() + (g * dv + c0 + 3) * kTileRows * 2 * kTileRows, 64);
+          _tile_loadd(5, v_tile(g, c0 + 3), 64);
           _tile_dpbf16ps(3, 4, 5);
         }
       }
@@ -158,8 +177,13 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
       for (int64_t x = 0; x < kTileRows; ++x) {
         const int64_t r = rt * kTileRows + x;
         if (r >= rows) break;
-        at::BFloat16* dst = t.out + (start + r % n) * t.out_row + (h * group + r / n) * t.out_head + c0 * kTileRows;
-        for (int64_t y = 0; y < cols * kTileRows; ++y) dst[y] = infer::from_float<at::BFloat16>(o[x][y] * inv_sum[r]);
+        at::BFloat16* dst =
+            t.out + (start + i0 + r % m) * t.out_row + (h * group + r / m) * t.out_head + c0 * kTileRows;
+        const __m512 inv = _mm512_set1_ps(inv_sum[r]);
+        for (int64_t y = 0; y < cols * kTileRows; y += kTileRows) {
+          const __m512i bits = infer::bf16_round_bits(_mm512_mul_ps(_mm512_load_ps(&o[x][y]), inv));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + y), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+        }
       }
     }
 }
@@ -169,6 +193,8 @@ void chunk_head(const Task& t, int64_t start, int64_t n, int64_t cached, const i
 // q [T, heads, d] bfloat16 (rows may be strided, heads contiguous); k_cache, v_cache [blocks, 16,
 // kv_heads, d]; out [T, heads, d], written at the chunks' rows only. Chunk c has query rows
 // starts[c] .. + lengths[c], follows cached[c] tokens, and reads its blocks from tables[c].
+// Tasks (a chunk's kJobRows rows for one KV head) are taken largest first from a shared counter: causal rows
+// differ in cost, and a 256-token prompt's three KV heads split two ways left a core idle a third of the time.
 void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                      torch::Tensor starts, torch::Tensor lengths, torch::Tensor cached, torch::Tensor tables,
                      double scale) {
@@ -180,11 +206,25 @@ void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   const Task task{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
                   v_cache.data_ptr<at::BFloat16>(), kv_heads, d, out.data_ptr<at::BFloat16>(), out.stride(0),
                   out.stride(1), static_cast<float>(scale)};
-  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  struct Job {
+    int64_t chunk, head, i0, m, cost;
+  };
+  std::vector<Job> jobs;
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t i0 = 0; i0 < ln[c]; i0 += kJobRows)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t m = std::min(kJobRows, ln[c] - i0);
+        jobs.push_back({c, h, i0, m, m * (ca[c] + i0 + m)});
+      }
+  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(jobs.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     infer::configure_tiles();
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t c = i / kv_heads;
-      chunk_head(task, st[c], ln[c], ca[c], tb + c * width, i % kv_heads, heads / kv_heads);
+    for (int64_t j = next++; j < static_cast<int64_t>(jobs.size()); j = next++) {
+      const Job& job = jobs[j];
+      chunk_rows(task, st[job.chunk], job.i0, job.m, ca[job.chunk], tb + job.chunk * width, job.head,
+                 heads / kv_heads);
     }
     _tile_release();
   });

@@ -75,7 +75,8 @@ inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, fl
   const __m256 m = _mm256_set1_ps(reduce_max8(vmax));
   const __m256 high = _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0xFFFF0000u)));
   __m256 vsum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < width; j += 8) {
+  int64_t j = 0;
+  for (; j < visible; j += 8) {
     const __m256i lanes = lanes_below(visible - j);
     const __m256 e = _mm256_and_ps(exp8(_mm256_fmsub_ps(_mm256_maskload_ps(s + j, lanes), vscale, m)),  // scale s - max
                                    _mm256_castsi256_ps(lanes));
@@ -83,6 +84,7 @@ inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, fl
     _mm256_maskstore_ps(p + j, lanes_below(width - j), rounded);
     vsum = _mm256_add_ps(vsum, rounded);  // the sum of what P V multiplies: the rounded values
   }
+  for (; j < width; j += 8) _mm256_maskstore_ps(p + j, lanes_below(width - j), _mm256_setzero_ps());  // no exp
   return 1.f / reduce_add8(vsum);
 }
 
@@ -136,8 +138,9 @@ inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, fl
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 vsum = _mm512_setzero_ps();
-  for (int64_t j = 0; j < width; j += 16) {
-    const int64_t live = visible - j >= 16 ? 16 : visible - j > 0 ? visible - j : 0;
+  int64_t j = 0;
+  for (; j < visible; j += 16) {
+    const int64_t live = visible - j >= 16 ? 16 : visible - j;
     const __mmask16 lanes = live == 16 ? 0xFFFF : static_cast<__mmask16>((1u << live) - 1);
     const __m512 e = _mm512_maskz_mov_ps(
         lanes, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(lanes, s + j), vscale, m)));  // scale s - max
@@ -146,6 +149,10 @@ inline float softmax_row_bf16(const float* s, int64_t visible, int64_t width, fl
     _mm256_mask_storeu_epi16(p + j, store, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
     // the sum of what P V multiplies: the rounded values
     vsum = _mm512_add_ps(vsum, _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))));
+  }
+  for (; j < width; j += 16) {  // past what the row sees: zeros, no exp (a causal prompt's rows, half their width)
+    const __mmask16 store = width - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - j)) - 1);
+    _mm256_mask_storeu_epi16(p + j, store, _mm256_setzero_si256());
   }
   return 1.f / _mm512_reduce_add_ps(vsum);
 }
