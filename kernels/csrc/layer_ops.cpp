@@ -17,7 +17,7 @@
 #include <cmath>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -99,6 +99,42 @@ inline __m512 round16(__m512 v, at::BFloat16) {
 inline __m512 round16(__m512 v, at::Half) {
   return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// The avx2 class's SiLU on 8 lanes (its scalar std::exp loop took 9x the AVX-512 path's time: 0.94 ms a layer for a
+// 256-token prompt, 9 us a decode step's layer). exp8 stops at e^88: past the float32 range exp(-g) overflows and
+// SiLU is g / inf = -0, as with exp16, torch and the scalar path.
+inline __m256 silu8(__m256 g) {
+  const __m256 neg = _mm256_sub_ps(_mm256_setzero_ps(), g);
+  const __m256 q = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), infer::exp8(neg)));
+  const __m256 overflow = _mm256_cmp_ps(neg, _mm256_set1_ps(88.72283935f), _CMP_GT_OQ);
+  return _mm256_blendv_ps(q, _mm256_mul_ps(g, _mm256_setzero_ps()), overflow);
+}
+
+// 8 values of T <-> float32 lanes; to T rounds to nearest even, as from_float does.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) {
+  const __m256i high = _mm256_srli_epi32(infer::bf16_round_bits(v), 16);
+  // packus works within 128-bit halves: words 0-3 twice, then 4-7 twice; quadwords 0 and 2 are the 8 in order
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+}
+inline void store8(at::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+// v rounded to T and back, as a torch op writing T and the next reading it would do.
+inline __m256 round8(__m256 v, float) { return v; }
+inline __m256 round8(__m256 v, at::BFloat16) {
+  return _mm256_castsi256_ps(_mm256_and_si256(infer::bf16_round_bits(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline __m256 round8(__m256 v, at::Half) {
+  return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #endif
 
 // Rotates the first `heads` heads of each row in place: x*cos + rotate_half(x)*sin, with cos and
@@ -153,6 +189,8 @@ void silu_mul_rows(const T* x, int64_t x_stride, T* out, int64_t rows, int64_t i
 #if defined(__AVX512F__)
       for (; i + 16 <= inter; i += 16)
         store16(o + i, _mm512_mul_ps(round16(silu16(load16(gate + i)), T{}), load16(up + i)));
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= inter; i += 8) store8(o + i, _mm256_mul_ps(round8(silu8(load8(gate + i)), T{}), load8(up + i)));
 #endif
       for (; i < inter; ++i) o[i] = from_float<T>(round_to<T>(silu(to_float(gate[i]))) * to_float(up[i]));
     }
