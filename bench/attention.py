@@ -1,8 +1,9 @@
 """Attention kernels against torch's SDPA, same run, same inputs: prompt chunks and decode steps.
 
 The embedded model's attention shape (9 query heads, 3 KV heads, head_dim 64, blocks of 16) at
-one layer. Prompt chunks: the AVX-512 BF16 chunk kernel for a fresh prompt of each length and for
-a chunk after cached tokens (a request reusing a cached system prompt). SDPA gets the keys and
+one layer. Prompt chunks: the class's chunk kernel (kernels/csrc/bf16_attention.cpp) and, where AMX is on,
+the AMX one, for a fresh prompt of each length and for a chunk after cached tokens (a request reusing a cached
+system prompt). SDPA gets the keys and
 values already contiguous (what the engine's fresh-prompt path gives it; a chunk after cached
 tokens would first gather them), so its figure is a lower bound on what the engine paid before.
 Decode steps: the paged decode kernel on a bfloat16 cache, its AVX-512 BF16 path and its float
@@ -40,9 +41,10 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--json", type=__import__("pathlib").Path, default=RESULTS / "attention.json")
     args = p.parse_args(argv)
-    from infer.kernels import bf16_attention
+    from infer.kernels import amx_attention, bf16_attention
 
     module = bf16_attention.load()
+    amx = amx_attention.load()  # None where AMX is off
     if module is None:
         raise SystemExit("this CPU has no AVX-512 BF16: the chunk kernel does not run here, nothing to compare")
     heads, kv_heads, d, block = 9, 3, 64, 16
@@ -69,21 +71,28 @@ def main(argv=None) -> dict:
             return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=None if cached == 0 else mask,
                                                   is_causal=cached == 0, enable_gqa=True)
 
-        kernel_s = _time(lambda: module.chunk_attention(*call), args.repeats)
         sdpa_s = _time(sdpa, args.repeats)
         want = F.scaled_dot_product_attention(qt.double(), kt.double().repeat_interleave(heads // kv_heads, 1),
                                               vt.double().repeat_interleave(heads // kv_heads, 1), attn_mask=visible)
-        module.chunk_attention(*call)
-        err = (out.double() - want[0].transpose(0, 1)).abs().max().item()
         sdpa_err = (sdpa()[0].transpose(0, 1).double() - want[0].transpose(0, 1)).abs().max().item()
-        row = {"new_tokens": n, "cached_tokens": cached, "kernel_ms": round(kernel_s * 1e3, 3),
-               "sdpa_ms": round(sdpa_s * 1e3, 3), "speedup": round(sdpa_s / kernel_s, 2),
-               "max_err_vs_float64": round(err, 5), "sdpa_max_err_vs_float64": round(sdpa_err, 5)}
+        row = {"new_tokens": n, "cached_tokens": cached, "sdpa_ms": round(sdpa_s * 1e3, 3),
+               "sdpa_max_err_vs_float64": round(sdpa_err, 5)}
+        line = f"{n:5d} new after {cached:5d} cached: sdpa {row['sdpa_ms']:7.3f} ms (max err {sdpa_err:.4f})"
+        for name, kernel in (("kernel", module), ("amx", amx)):
+            if kernel is None:
+                continue
+            seconds = _time(lambda: kernel.chunk_attention(*call), args.repeats)
+            out.fill_(float("nan"))
+            kernel.chunk_attention(*call)
+            err = (out.double() - want[0].transpose(0, 1)).abs().max().item()
+            prefix = "" if name == "kernel" else "amx_"
+            row |= {f"{name}_ms": round(seconds * 1e3, 3), f"{prefix}speedup": round(sdpa_s / seconds, 2),
+                    f"{prefix}max_err_vs_float64": round(err, 5)}
+            line += f"  {name} {row[f'{name}_ms']:7.3f} ms ({sdpa_s / seconds:.2f}x, max err {err:.4f})"
+            if not err <= 1.5 * sdpa_err + 2e-3:
+                raise SystemExit(f"the {name} kernel's output is off: max error {err:.4f} against SDPA's {sdpa_err:.4f}")
         rows.append(row)
-        print(f"{n:5d} new after {cached:5d} cached: kernel {row['kernel_ms']:7.3f} ms  sdpa {row['sdpa_ms']:7.3f} ms"
-              f"  ({row['speedup']:.2f}x)  max err {err:.4f} (sdpa {sdpa_err:.4f})")
-        if err > 1.5 * sdpa_err + 2e-3:
-            raise SystemExit(f"the kernel's output is off: max error {err:.4f} against SDPA's {sdpa_err:.4f}")
+        print(line)
     result = {"benchmark": "attention", "seed": seed, "shape": {"heads": heads, "kv_heads": kv_heads,
               "head_dim": d, "block_size": block}, "rows": rows, "decode_rows": decode_rows(gen, args.repeats)}
     save_json(result, args.json)
