@@ -28,7 +28,10 @@ inline void configure_tiles() {
     cfg.colsb[t] = 64;
     cfg.rows[t] = kTileRows;
   }
-  _tile_loadconfig(&cfg);
+  // Not _tile_loadconfig: GCC 12's tells the compiler it reads 8 bytes (a pointer's worth) of the configuration, so
+  // the stores of the tile shapes may be dropped as dead wherever this is inlined (seen: a worker's setup loading a
+  // configuration with only its first 32 bytes written, a fault in ldtilecfg). This asm reads all 64.
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
 }
 
 // The 2 x 2 blocking every AMX linear uses: C tiles 0-3 accumulate 32 rows x 32 columns (tiles 2-3: rows 16-31,
