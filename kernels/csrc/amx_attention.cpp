@@ -16,9 +16,9 @@
 #include "chunk_checks.h"
 #include "float_storage.h"
 #include "simd_math.h"
+#include "work_split.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -46,6 +46,13 @@ T* at_least(std::vector<T>& v, int64_t n) {
   if (static_cast<int64_t>(v.size()) < n) v.resize(n);
   return v.data();
 }
+
+// The tiles configured for a worker's tasks, released after its last
+struct TileScope {
+  TileScope() { infer::configure_tiles(); }
+  TileScope(const TileScope&) = delete;
+  ~TileScope() { _tile_release(); }
+};
 
 struct Task {
   const at::BFloat16* q;
@@ -193,8 +200,7 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
 // q [T, heads, d] bfloat16 (rows may be strided, heads contiguous); k_cache, v_cache [blocks, 16,
 // kv_heads, d]; out [T, heads, d], written at the chunks' rows only. Chunk c has query rows
 // starts[c] .. + lengths[c], follows cached[c] tokens, and reads its blocks from tables[c].
-// Tasks (a chunk's kJobRows rows for one KV head) are taken largest first from a shared counter: causal rows
-// differ in cost, and a 256-token prompt's three KV heads split two ways left a core idle a third of the time.
+// Tasks: a chunk's kJobRows rows for one KV head (kernels/csrc/work_split.h).
 void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out,
                      torch::Tensor starts, torch::Tensor lengths, torch::Tensor cached, torch::Tensor tables,
                      double scale) {
@@ -206,28 +212,10 @@ void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   const Task task{q.data_ptr<at::BFloat16>(), q.stride(0), q.stride(1), k_cache.data_ptr<at::BFloat16>(),
                   v_cache.data_ptr<at::BFloat16>(), kv_heads, d, out.data_ptr<at::BFloat16>(), out.stride(0),
                   out.stride(1), static_cast<float>(scale)};
-  struct Job {
-    int64_t chunk, head, i0, m, cost;
-  };
-  std::vector<Job> jobs;
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t i0 = 0; i0 < ln[c]; i0 += kJobRows)
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t m = std::min(kJobRows, ln[c] - i0);
-        jobs.push_back({c, h, i0, m, m * (ca[c] + i0 + m)});
-      }
-  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(jobs.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    infer::configure_tiles();
-    for (int64_t j = next++; j < static_cast<int64_t>(jobs.size()); j = next++) {
-      const Job& job = jobs[j];
-      chunk_rows(task, st[job.chunk], job.i0, job.m, ca[job.chunk], tb + job.chunk * width, job.head,
-                 heads / kv_heads);
-    }
-    _tile_release();
-  });
+  infer::for_chunk_tasks(chunks, ln, ca, kv_heads, kJobRows, [] { return TileScope(); },
+                         [&](TileScope&, int64_t c, int64_t h, int64_t i0, int64_t m) {
+                           chunk_rows(task, st[c], i0, m, ca[c], tb + c * width, h, heads / kv_heads);
+                         });
 }
 
 #ifndef INFER_NO_MODULE  // step_layers.cpp includes this file for its kernel alone

@@ -14,16 +14,16 @@
 // rounded to bfloat16 and its sum taken over the rounded values, O = P V in float32, and divides
 // once at the end. On AVX2 (16 vector registers, no embedded broadcast) a K block is 16 keys and a tile
 // 4 rows, and the query rows and P are widened to float32 once (exact) so that each is broadcast
-// straight from memory rather than widened again for every block. Tasks are taken largest first from a shared counter: causal blocks differ in
-// cost, and a static split would leave a core idle.
+// straight from memory rather than widened again for every block. Tasks are taken largest first from a shared
+// counter (kernels/csrc/work_split.h).
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "chunk_checks.h"
 #include "simd_math.h"
+#include "work_split.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -280,30 +280,14 @@ void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
   const int64_t chunks = starts.numel(), width = tables.size(1);
   const int64_t *st = starts.data_ptr<int64_t>(), *ln = lengths.data_ptr<int64_t>(), *ca = cached.data_ptr<int64_t>();
   const int64_t* tb = tables.data_ptr<int64_t>();
-  struct Job {
-    int64_t chunk, head, i0, n, cost;
-  };
-  std::vector<Job> jobs;
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int64_t i0 = 0; i0 < ln[c]; i0 += kChunkRows)
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const int64_t n = std::min(kChunkRows, ln[c] - i0);
-        jobs.push_back({c, h, i0, n, n * (ca[c] + i0 + n)});
-      }
-  std::stable_sort(jobs.begin(), jobs.end(), [](const Job& x, const Job& y) { return x.cost > y.cost; });
   const Args args{reinterpret_cast<const uint16_t*>(q.data_ptr()), q.stride(0), q.stride(1),
                   reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
                   block_size, kv_heads, heads, d, reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0),
                   out.stride(1), static_cast<float>(scale)};
-  std::atomic<int64_t> next{0};
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(jobs.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t j = next++; j < static_cast<int64_t>(jobs.size()); j = next++) {
-      const Job& job = jobs[j];
-      task(args, st[job.chunk], ca[job.chunk], tb + job.chunk * width, job.head, job.i0, job.n, scratch);
-    }
-  });
+  infer::for_chunk_tasks(chunks, ln, ca, kv_heads, kChunkRows, [] { return Scratch(); },
+                         [&](Scratch& scratch, int64_t c, int64_t h, int64_t i0, int64_t n) {
+                           task(args, st[c], ca[c], tb + c * width, h, i0, n, scratch);
+                         });
 }
 
 bool available() { return true; }

@@ -1,5 +1,6 @@
-// How a packed linear's column blocks and rows are split over the threads (kernels/csrc/bf16_linear.cpp,
-// int4_linear.cpp): one place for the policy.
+// How work is split over the threads: a packed linear's column blocks and rows (kernels/csrc/bf16_linear.cpp,
+// int4_linear.cpp), a prompt-chunk attention's rows and KV heads (amx_attention.cpp, bf16_attention.cpp): one place
+// for each policy.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 namespace infer {
 
@@ -36,6 +38,32 @@ void for_blocks_and_rows(int64_t m, int64_t blocks, const Fn& fn, int64_t row_ch
       const int64_t blk = item / chunks, r0 = item % chunks * chunk_rows;
       fn(blk, r0, std::min(m, r0 + chunk_rows));
     }
+  });
+}
+
+// fn(state, chunk, KV head, first row, rows) over every chunk's rows in runs of `rows_per_task`, for each KV head:
+// tasks taken largest first (rows x the keys their last row sees) from a shared counter, since causal rows differ
+// in cost and a static split would leave a core idle (a fresh prompt's 3 KV heads on 2 cores, one idle a third of
+// the time). `state` is the worker's own, made by setup() before its first task and destroyed after its last.
+template <typename Setup, typename Fn>
+void for_chunk_tasks(int64_t chunks, const int64_t* lengths, const int64_t* cached, int64_t kv_heads,
+                     int64_t rows_per_task, const Setup& setup, const Fn& fn) {
+  struct Task {
+    int64_t chunk, head, i0, n, cost;
+  };
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int64_t i0 = 0; i0 < lengths[c]; i0 += rows_per_task)
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const int64_t n = std::min(rows_per_task, lengths[c] - i0);
+        tasks.push_back({c, h, i0, n, n * (cached[c] + i0 + n)});
+      }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
+    auto state = setup();
+    for (int64_t j = next++; j < count; j = next++) fn(state, tasks[j].chunk, tasks[j].head, tasks[j].i0, tasks[j].n);
   });
 }
 
