@@ -90,7 +90,8 @@ def main(argv=None) -> dict:
                     f"{prefix}max_err_vs_float64": round(err, 5)}
             line += f"  {name} {row[f'{name}_ms']:7.3f} ms ({sdpa_s / seconds:.2f}x, max err {err:.4f})"
             if not err <= 1.5 * sdpa_err + 2e-3:
-                raise SystemExit(f"the {name} kernel's output is off: max error {err:.4f} against SDPA's {sdpa_err:.4f}")
+                raise SystemExit(f"the {name} kernel's output is off: max error {err:.4f} against SDPA's "
+                                 f"{sdpa_err:.4f}")
         rows.append(row)
         print(line)
     result = {"benchmark": "attention", "seed": seed, "shape": {"heads": heads, "kv_heads": kv_heads,

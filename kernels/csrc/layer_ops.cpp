@@ -130,7 +130,8 @@ inline void store8(at::Half* p, __m256 v) {
 // v rounded to T and back, as a torch op writing T and the next reading it would do.
 inline __m256 round8(__m256 v, float) { return v; }
 inline __m256 round8(__m256 v, at::BFloat16) {
-  return _mm256_castsi256_ps(_mm256_and_si256(infer::bf16_round_bits(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  return _mm256_castsi256_ps(_mm256_and_si256(infer::bf16_round_bits(v), high));
 }
 inline __m256 round8(__m256 v, at::Half) {
   return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
