@@ -46,7 +46,7 @@ def main(argv=None) -> dict:
     module = bf16_attention.load()
     amx = amx_attention.load()  # None where AMX is off
     if module is None:
-        raise SystemExit("this CPU has no AVX-512 BF16: the chunk kernel does not run here, nothing to compare")
+        raise SystemExit("this CPU has no AVX2 + FMA: the chunk kernels do not run here, nothing to compare")
     heads, kv_heads, d, block = 9, 3, 64, 16
     seed = int(time.time())
     print(f"seed {seed}")

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 
 #include "amx_tiles.h"
+#include "call_buffer.h"
 #include "chunk_checks.h"
 #include "float_storage.h"
 #include "simd_math.h"
@@ -31,21 +32,6 @@ constexpr int64_t kBlock = 16;     // tokens per cache block: one B tile's colum
 constexpr int64_t kJobRows = 64;   // chunk rows a task takes, for every query head of its KV head
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-// A worker's scratch space, kept from one call to the next (allocated per task, a 256-token prompt's ~1 MiB came
-// from the OS every layer, page faults and all), left uninitialised: every element is written before it is read.
-struct Scratch {
-  std::vector<at::BFloat16> q, p, v;
-  std::vector<uint32_t> k;
-  std::vector<float> s, inv_sum;
-};
-thread_local Scratch scratch;
-
-template <typename T>
-T* at_least(std::vector<T>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
-}
 
 // The tiles configured for a worker's tasks, released after its last
 struct TileScope {
@@ -68,6 +54,8 @@ struct Task {
 // Chunk rows i0 .. i0 + m - 1 of a chunk for KV head h: rows r = g * m + i are query head h * group + g at chunk
 // row i0 + i, which sees the keys up to cached + i0 + i. Each 16-row tile computes scores, probabilities and
 // values only over the keys its last row sees (a causal prompt's tiles see a triangle, not the square).
+// Its buffers are the worker's own (call_buffer), kept from one call to the next (they were allocated per task),
+// left uninitialised: every element is written before it is read.
 void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cached, const int64_t* table, int64_t h,
                 int64_t group) {
   const int64_t d = t.d, dk = d / kTileK, len = cached + i0 + m;
@@ -81,7 +69,7 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
   };
 
   // Q as A tiles: [row tile][d / 32][16][32]
-  at::BFloat16* qt = at_least(scratch.q, rows_pad * d);
+  at::BFloat16* qt = infer::call_buffer<at::BFloat16, 0>(rows_pad * d);
   for (int64_t r = 0; r < rows_pad; ++r) {
     at::BFloat16* dst = qt + (r / kTileRows) * dk * kTileRows * kTileK + (r % kTileRows) * kTileK;
     for (int64_t c = 0; c < dk; ++c, dst += kTileRows * kTileK) {
@@ -95,7 +83,7 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
   }
   // K^T as B tiles, per block of 16 tokens and 32 dimensions: row p holds, for each token, the
   // pair of dimensions (2p, 2p + 1): the 32-bit words of the key rows, transposed.
-  uint32_t* kt = at_least(scratch.k, keys16 / kBlock * dk * kTileRows * kBlock);
+  uint32_t* kt = infer::call_buffer<uint32_t>(keys16 / kBlock * dk * kTileRows * kBlock);
   for (int64_t b = 0; b < keys16 / kBlock; ++b) {
     const uint32_t* block = reinterpret_cast<const uint32_t*>(t.k_cache + (table[b] * kBlock * t.kv_heads + h) * d);
     for (int64_t c = 0; c < dk; ++c) {
@@ -105,7 +93,7 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
     }
   }
   // S = Q K^T, float32 [rows_pad][keys16], each row tile over the key blocks it sees
-  float* s = at_least(scratch.s, rows_pad * keys16);
+  float* s = infer::call_buffer<float, 0>(rows_pad * keys16);
   for (int64_t rt = 0; rt < rows_pad / kTileRows; ++rt)
     for (int64_t b = 0; b < round_up(tile_keys(rt), kBlock) / kBlock; ++b) {
       _tile_zero(0);
@@ -118,8 +106,8 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
     }
   // softmax per row over the keys it may see (up to cached + i0 + i), as bfloat16 P [rows_pad][keys32],
   // unnormalised (exp(s - max) in [0, 1]), zero up to its tile's width; 1 / sum kept in float32 for the end
-  at::BFloat16* pt = at_least(scratch.p, rows_pad * keys32);
-  float* inv_sum = at_least(scratch.inv_sum, rows_pad);
+  at::BFloat16* pt = infer::call_buffer<at::BFloat16, 1>(rows_pad * keys32);
+  float* inv_sum = infer::call_buffer<float, 1>(rows_pad);
   for (int64_t r = 0; r < rows; ++r)
     inv_sum[r] = infer::softmax_row_bf16(s + r * keys16, cached + i0 + r % m + 1,
                                          round_up(tile_keys(r / kTileRows), 2 * kBlock), t.scale,
@@ -128,7 +116,8 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
   // V as B tiles, per 32 tokens and 16 dimensions: row p holds, for each dimension, tokens 2p and
   // 2p + 1. Tokens past the context are zero (their cache slots may hold anything).
   const int64_t dv = d / kTileRows;
-  at::BFloat16* vt = at_least(scratch.v, keys32 / (2 * kBlock) * dv * kTileRows * 2 * kTileRows);
+  const int64_t v_values = keys32 / (2 * kBlock) * dv * kTileRows * 2 * kTileRows;
+  at::BFloat16* vt = infer::call_buffer<at::BFloat16, 2>(v_values);
   const auto token_row_at = [&](int64_t tok) {
     return t.v_cache + ((table[tok / kBlock] * kBlock + tok % kBlock) * t.kv_heads + h) * d;
   };
