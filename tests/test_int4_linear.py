@@ -25,7 +25,7 @@ def test_prompt_chunks_run_on_amx_tiles_exactly_where_the_class_is_amx():
 
     listing = subprocess.run(["objdump", "-d", "--no-show-raw-insn", MODULE.__file__], capture_output=True, text=True,
                              check=True).stdout
-    assert ("tdpbf16ps" in listing) == (isa.active() == "amx") == MODULE.prompt_amx()
+    assert ("tdpbf16ps" in listing) == (isa.active() == "amx") == MODULE.prompt_tiles(64, 32)
 
 
 def _weight(n, k, group, asym, gen):
@@ -88,7 +88,7 @@ def test_a_prompt_chunks_rows_are_the_decode_rows_bit_for_bit(m, n, k, group, as
     b = torch.randn(n, generator=gen)
     chunk = MODULE.int4_linear(x, packed, scales, offsets, n, b)
     alone = torch.cat([MODULE.int4_linear(x[i:i + 1].contiguous(), packed, scales, offsets, n, b) for i in range(m)])
-    if MODULE.prompt_amx() and k % 32 == 0 and group % 32 == 0:
+    if MODULE.prompt_tiles(k, group):
         # the float32 sums carry the 128 + u offset: each within 2^-24 x K x 136 x sum |x| |s| of exact, and the
         # two roundings to bfloat16 one step apart at most where they straddle a boundary
         bound = (x.double().abs() @ w.abs().t()) * 2.0**-10 + alone.double().abs() * 2.0**-7

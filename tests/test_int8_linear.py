@@ -33,9 +33,29 @@ def test_the_w8a8_kernel_never_uses_a_saturating_product():
     if isa.active() == "avx2":
         assert "zmm" not in listing  # the class's own target: no AVX-512 instruction
     # AMX-INT8 tiles for prompt chunks exactly where the class is amx (forced lower, the build holds none)
-    assert ("tdpbusd" in listing) == (isa.active() == "amx") == MODULE.w8a8_amx()
+    assert ("tdpbusd" in listing) == (isa.active() == "amx") == MODULE.prompt_tiles("w8a8", 64)
     # and AMX-BF16 tiles for W8A16 / FP8 prompt chunks (their blocks widened to bfloat16 pairs)
-    assert ("tdpbf16ps" in listing) == (isa.active() == "amx") == MODULE.pairs_amx()
+    assert ("tdpbf16ps" in listing) == (isa.active() == "amx") == MODULE.prompt_tiles("w8a16", 64)
+    assert MODULE.prompt_tiles("fp8", 64) == MODULE.prompt_tiles("w8a16", 64)
+    assert not MODULE.prompt_tiles("w8a8", 96) and not MODULE.prompt_tiles("w8a16", 48)  # no whole tiles of K
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [128, 96])
+def test_each_8_bit_linear_names_the_tiles_its_prompt_chunks_run_on(k):
+    """The plan's name for a linear says AMX tiles exactly where the kernel takes them (int8_linear.cpp's
+    prompt_tiles, the one statement of each scheme's condition): on amx, K = 128 for all three; K = 96 for
+    W8A16 and FP8 (whole tiles of 16 pairs) but not W8A8 (whole 64-byte rows); below amx, none."""
+    from infer.runtime.model.quant_linear import FP8BlocksLinear, Int8BlocksLinear, W8A8BlocksLinear
+
+    weight = torch.randn(64, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    amx = isa.active() == "amx"
+    for cls, kind, tiles, expected in ((Int8BlocksLinear, "w8a16", "amx-bf16", amx),
+                                       (W8A8BlocksLinear, "w8a8", "amx-int8", amx and k % 64 == 0),
+                                       (FP8BlocksLinear, "fp8", "amx-bf16", amx)):
+        linear = cls(_quantized(weight, kind), None, torch.bfloat16)
+        assert MODULE.prompt_tiles(kind, k) == expected, (kind, k)
+        assert (f"(prompt chunks on {tiles})" in linear.kernel_name) == expected, linear.kernel_name
 
 
 def _weight(n, k, gen):

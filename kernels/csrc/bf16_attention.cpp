@@ -200,6 +200,13 @@ struct Scratch {
   std::vector<uint16_t*> o;
 };
 
+// The calling thread's Scratch, kept from call to call (its vectors only grow): made per call, every prompt step
+// allocated and freed each worker's packed keys, values and scores.
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 // Rows i0 .. i0 + n of one chunk (query rows start + i, after `cached` tokens) for KV head h.
 void task(const Args& a, int64_t start, int64_t cached, const int64_t* table, int64_t h, int64_t i0, int64_t n,
           Scratch& w) {
@@ -284,7 +291,7 @@ void chunk_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cac
                   reinterpret_cast<const uint16_t*>(k_cache.data_ptr()), reinterpret_cast<const uint16_t*>(v_cache.data_ptr()),
                   block_size, kv_heads, heads, d, reinterpret_cast<uint16_t*>(out.data_ptr()), out.stride(0),
                   out.stride(1), static_cast<float>(scale)};
-  infer::for_chunk_tasks(chunks, ln, ca, kv_heads, kChunkRows, [] { return Scratch(); },
+  infer::for_chunk_tasks(chunks, ln, ca, kv_heads, kChunkRows, []() -> Scratch& { return thread_scratch(); },
                          [&](Scratch& scratch, int64_t c, int64_t h, int64_t i0, int64_t n) {
                            task(args, st[c], ca[c], tb + c * width, h, i0, n, scratch);
                          });

@@ -297,8 +297,8 @@ void tile_rows(const Args& a, const int32_t* const* wp, int64_t blk, int64_t r, 
 // 32 columns) sum that group's products, then y += s (S - o sum x) as scaled_group does, while the tiles work on
 // the next group. The same exact products summed in float32 in the tiles' order: within the float32 sums' rounding
 // of a decode row's result, not bit for bit (tests/test_int4_linear.py).
-inline bool amx_prompt(const Args& a) {
-  return a.m >= 16 && a.k % 32 == 0 && (8 * a.group_words) % 32 == 0 && infer::amx_granted();
+inline bool amx_prompt(int64_t m, int64_t k, int64_t group) {
+  return m >= 16 && k % 32 == 0 && group % 32 == 0 && infer::amx_granted();
 }
 
 // y[r .. r1, block blk's columns] from its tiles wt; xa: the rows of x on cache lines (K values apart), readable for
@@ -347,7 +347,7 @@ void amx_rows(const Args& a, const uint16_t* xa, int64_t blk, const int32_t* wt,
   _tile_release();
 }
 #else
-inline bool amx_prompt(const Args&) { return false; }
+inline bool amx_prompt(int64_t, int64_t, int64_t) { return false; }
 #endif
 
 // Rows r .. r1 of blocks blk .. blk + kPairBlocks (one at an odd weight's last block), each widened once first.
@@ -405,7 +405,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const Args a{xp, xsum, reinterpret_cast<const uint32_t*>(packed.data_ptr()), scales.data_ptr<float>(), off, b,
                reinterpret_cast<uint16_t*>(y.data_ptr()), m, n, k, groups, group_size / 8};
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx_prompt(a)) {
+  if (amx_prompt(a.m, a.k, 8 * a.group_words)) {
     // x's rows copied onto cache lines, with 32 rows to spare (a partial row tile reads past the last row)
     uint16_t* xa = infer::align_up(infer::call_buffer<uint16_t, 2>((m + 32) * k + 32), 64);
     at::parallel_for(0, m, 16, [&](int64_t first, int64_t last) {
@@ -431,14 +431,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 bool available() { return true; }
-// whether prompt chunks (16 rows or more; K and each group whole tiles of 32) run on AMX-BF16 tiles here
-bool prompt_amx() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return infer::amx_granted();
-#else
-  return false;
-#endif
-}
+// whether a prompt chunk (16 rows) with K k in groups of `group` runs on AMX-BF16 tiles in this process
+bool prompt_tiles(int64_t k, int64_t group) { return amx_prompt(16, k, group); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -752,7 +746,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 }
 
 bool available() { return true; }
-bool prompt_amx() { return false; }
+bool prompt_tiles(int64_t, int64_t) { return false; }
 
 #else
 
@@ -762,7 +756,7 @@ torch::Tensor int4_linear(torch::Tensor, torch::Tensor, torch::Tensor, c10::opti
 }
 
 bool available() { return false; }
-bool prompt_amx() { return false; }
+bool prompt_tiles(int64_t, int64_t) { return false; }
 
 #endif
 
@@ -805,6 +799,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "int4 grouped-weight linear over a packed weight (CPU: AVX-512 BF16, AVX-512F or AVX2 + FMA)",
         py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has the int4 kernel (its target has AVX2 + FMA at least)");
-  m.def("prompt_amx", &prompt_amx, "whether prompt chunks run on AMX-BF16 tiles (tdpbf16ps) in this process");
+  m.def("prompt_tiles", &prompt_tiles, py::arg("k"), py::arg("group"),
+        "whether a prompt chunk with K k in groups of `group` runs on AMX-BF16 tiles (tdpbf16ps) in this process");
 }
 #endif

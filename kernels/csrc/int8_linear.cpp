@@ -920,6 +920,21 @@ inline bool amx_pairs(int64_t m, int64_t pairs) {
 #endif
 }
 
+// Each scheme's tile condition for a call of m rows and K k, stated once: the kernels branch on it and Python names
+// a linear's kernel from it (the module's prompt_tiles). W8A16 reads x's rows as bfloat16 pairs (K even); FP8
+// decoded by table (kFp8Table) pads K to whole pairs; W8A8 on AMX-INT8 takes K in whole 64-byte tile rows.
+inline bool w8a16_tiles(int64_t m, int64_t k) { return kPairs && k % 2 == 0 && amx_pairs(m, k / 2); }
+inline bool fp8_tiles(int64_t m, int64_t k) { return kFp8Table ? amx_pairs(m, (k + 1) / 2) : w8a16_tiles(m, k); }
+inline bool w8a8_tiles(int64_t m, int64_t k) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+  return m >= kAmxMinRows && k % 64 == 0 && infer::amx_granted();
+#else
+  (void)m;
+  (void)k;
+  return false;
+#endif
+}
+
 // W8A16 (xscale empty: x as it is) and FP8 (x's rows quantized to e4m3 first) over the [blocks, K, W] layout
 template <bool FP8>
 torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch::Tensor& packed, int64_t n) {
@@ -930,7 +945,7 @@ torch::Tensor linear8(const Int8Inputs& in, const torch::Tensor& x, const torch:
   const bool pairs = kPairs && m >= 8 && k % 2 == 0;
   // AMX tiles (prompt chunks of 16 rows or more, K a multiple of 32) read the pairs from rows on cache lines,
   // readable for 32 rows past the last: copied so (W8A16; FP8's codes are written so)
-  const bool tiles = pairs && amx_pairs(m, k / 2);
+  const bool tiles = pairs && (FP8 ? fp8_tiles(m, k) : w8a16_tiles(m, k));
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t ldx = x.stride(0);
   float* xf = infer::call_buffer<float>(pairs ? 0 : m * k);
@@ -977,7 +992,7 @@ torch::Tensor fp8_pairs_linear(const Int8Inputs& in, const torch::Tensor& x, con
   const auto* xb = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const int64_t ldx = x.stride(0);
   float* xscale = infer::call_buffer<float>(m);
-  const bool tiles = amx_pairs(m, pairs);  // (the codes' rows on cache lines, 32 rows past the last readable)
+  const bool tiles = fp8_tiles(m, k);  // (the codes' rows on cache lines, 32 rows past the last readable)
   uint16_t* xcodes = infer::align_up(infer::call_buffer<uint16_t>((m + 32) * kp + 32), 64);
   for_rows(m, k, [&](int64_t r) {
     xscale[r] = quantize_row<true>(xb + r * ldx, k, xcodes + r * kp);
@@ -1030,11 +1045,7 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t m = in.m, k = in.k, quads = k / 4;
   // each row's codes, laid out as the tiles broadcast them
   const int64_t xwords = kVnni ? quads : 2 * quads;
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-  const bool tiles = m >= kAmxMinRows && k % 64 == 0 && infer::amx_granted();
-#else
-  constexpr bool tiles = false;
-#endif
+  const bool tiles = w8a8_tiles(m, k);
   const int64_t padded = tiles ? m + 32 : m;  // a partial row tile reads past the last row
   // on a cache line: an AMX tile row (64 bytes of a row's codes) split over two lines loads at a third of the speed
   int32_t* xw = infer::align_up(infer::call_buffer<int32_t>(padded * xwords + 16), 64);
@@ -1084,17 +1095,13 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 bool available() { return true; }
 bool has_vnni() { return kVnni; }
 bool fp8_pairs() { return kFp8Table; }
-// whether W8A8 prompt chunks (16 rows or more, K a multiple of 64) run on AMX-INT8 tiles in this process
-bool w8a8_amx() {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-  return infer::amx_granted();
-#else
-  return false;
-#endif
+// whether a prompt chunk (16 rows) of `scheme` (w8a16, fp8, w8a8) with K k runs on AMX tiles in this process
+bool prompt_tiles(const std::string& scheme, int64_t k) {
+  if (scheme == "w8a16") return w8a16_tiles(16, k);
+  if (scheme == "fp8") return fp8_tiles(16, k);
+  TORCH_CHECK(scheme == "w8a8", "prompt_tiles: scheme ", scheme, " is none of w8a16, fp8, w8a8");
+  return w8a8_tiles(16, k);
 }
-
-// whether W8A16 / FP8 prompt chunks (16 rows or more, whole tiles of 16 k pairs) run on AMX-BF16 tiles here
-bool pairs_amx() { return amx_pairs(16, 16); }
 
 #else
 
@@ -1111,8 +1118,7 @@ torch::Tensor w8a8_linear(torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 bool available() { return false; }
 bool has_vnni() { return false; }
 bool fp8_pairs() { return false; }
-bool w8a8_amx() { return false; }
-bool pairs_amx() { return false; }
+bool prompt_tiles(const std::string&, int64_t) { return false; }
 
 #endif
 
@@ -1128,8 +1134,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("available", &available, "whether this build has the int8 kernels (its target has AVX2 + FMA at least)");
   m.def("has_vnni", &has_vnni, "whether W8A8 runs on AVX-512 VNNI (vpdpbusd) in this build");
-  m.def("w8a8_amx", &w8a8_amx, "whether W8A8 prompt chunks run on AMX-INT8 tiles (tdpbusd) in this process");
-  m.def("pairs_amx", &pairs_amx, "whether W8A16 / FP8 prompt chunks run on AMX-BF16 tiles (tdpbf16ps) in this process");
+  m.def("prompt_tiles", &prompt_tiles, py::arg("scheme"), py::arg("k"),
+        "whether a prompt chunk of this scheme (w8a16, fp8, w8a8) and K runs on AMX tiles in this process "
+        "(W8A8: AMX-INT8 tdpbusd; W8A16, FP8: AMX-BF16 tdpbf16ps)");
   m.def("fp8_pairs", &fp8_pairs,
         "whether FP8 weights are decoded by table to bfloat16 pairs (AVX-512 BF16 + VBMI): packed [blocks, K/2, W, 2]");
 }

@@ -44,7 +44,8 @@ void for_blocks_and_rows(int64_t m, int64_t blocks, const Fn& fn, int64_t row_ch
 // fn(state, chunk, KV head, first row, rows) over every chunk's rows in runs of `rows_per_task`, for each KV head:
 // tasks taken largest first (rows x the keys their last row sees) from a shared counter, since causal rows differ
 // in cost and a static split would leave a core idle (a fresh prompt's 3 KV heads on 2 cores, one idle a third of
-// the time). `state` is the worker's own, made by setup() before its first task and destroyed after its last.
+// the time). `state` is the worker's own: what setup() returns before its first task (a value, or a reference to
+// the thread's own scratch kept from call to call).
 template <typename Setup, typename Fn>
 void for_chunk_tasks(int64_t chunks, const int64_t* lengths, const int64_t* cached, int64_t kv_heads,
                      int64_t rows_per_task, const Setup& setup, const Fn& fn) {
@@ -62,7 +63,7 @@ void for_chunk_tasks(int64_t chunks, const int64_t* lengths, const int64_t* cach
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), count), 1, [&](int64_t, int64_t) {
-    auto state = setup();
+    decltype(auto) state = setup();
     for (int64_t j = next++; j < count; j = next++) fn(state, tasks[j].chunk, tasks[j].head, tasks[j].i0, tasks[j].n);
   });
 }

@@ -204,9 +204,7 @@ class Int4BlocksLinear(QuantLinear):
 
     @property
     def kernel_name(self) -> str:
-        # prompt chunks (16 rows or more) on AMX-BF16 tiles where K and each group are whole tiles of 32
-        groups = self.scales.shape[1]
-        tiles = self.module.prompt_amx() and self.in_features % 32 == 0 and (self.in_features // groups) % 32 == 0
+        tiles = self.module.prompt_tiles(self.in_features, self.in_features // self.scales.shape[1])
         return super().kernel_name + (" (prompt chunks on amx-bf16)" if tiles else "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,6 +232,7 @@ class Int8BlocksLinear(QuantLinear):
     fused decode step too)."""
     backend = "cpu-int8-blocks"
     streamed = ("packed", "scales", "colsums")
+    tile_scheme, tiles = "w8a16", "amx-bf16"  # the scheme as int8_linear.cpp's prompt_tiles names it; its tiles
 
     def __init__(self, w: QuantWeight, bias, dtype):
         from infer.kernels import int8_linear
@@ -254,13 +253,10 @@ class Int8BlocksLinear(QuantLinear):
             return int8_linear.pack_w8a8(w.q, w.scale)
         return (*int8_linear.pack_w8a16(w.q, w.scale), None)
 
-    def prompt_tiles(self) -> bool:
-        """Whether prompt chunks (16 rows or more) run on AMX-BF16 tiles (W8A16: K a multiple of 32)."""
-        return self.colsums is None and self.module.pairs_amx() and self.in_features % 32 == 0
-
     @property
     def kernel_name(self) -> str:
-        return super().kernel_name + (" (prompt chunks on amx-bf16)" if self.prompt_tiles() else "")
+        tiles = self.module.prompt_tiles(self.tile_scheme, self.in_features)
+        return super().kernel_name + (f" (prompt chunks on {self.tiles})" if tiles else "")
 
     def run(self, x2: torch.Tensor) -> torch.Tensor:
         if self.colsums is not None:
@@ -277,11 +273,7 @@ class W8A8BlocksLinear(Int8BlocksLinear):
     """Int8BlocksLinear for a W8A8 weight (dynamic per-token int8 activations): its own backend name. Where the
     kernel's build targets AMX, prompt chunks (16 rows or more, K a multiple of 64) run on AMX-INT8 tiles."""
     backend = "cpu-w8a8-blocks"
-
-    @property
-    def kernel_name(self) -> str:
-        amx = self.module.w8a8_amx() and self.in_features % 64 == 0
-        return super().kernel_name + (" (prompt chunks on amx-int8)" if amx else "")
+    tile_scheme, tiles = "w8a8", "amx-int8"
 
 
 class FP8BlocksLinear(Int8BlocksLinear):
@@ -290,13 +282,11 @@ class FP8BlocksLinear(Int8BlocksLinear):
     each row quantized inside the call as compressed-tensors does, float32 sums of exact products,
     then both scales. A decode step reads 8 bits a weight, where ``cpu-fp8`` reads the codes widened to 16."""
     backend = "cpu-fp8-blocks"
+    tile_scheme = "fp8"
 
     @staticmethod
     def pack(int8_linear, w: QuantWeight):
         return (*int8_linear.pack_fp8(w.q, w.scale), None)
-
-    def prompt_tiles(self) -> bool:  # (K padded to whole pairs, in tiles of 16)
-        return self.module.pairs_amx() and -(-self.in_features // 2) % 16 == 0
 
     def run(self, x2: torch.Tensor) -> torch.Tensor:
         return self.module.fp8_linear(x2, self.packed, self.scales, self.out_features, self.bias_f32)
