@@ -129,15 +129,14 @@ def decode_rows(gen: torch.Generator, repeats: int) -> list[dict]:
             return F.scaled_dot_product_attention(q[:, :, None], kg.transpose(1, 2), vg.transpose(1, 2),
                                                   enable_gqa=True)[:, :, 0]
 
-        def kernel(path_on: bool):
+        def kernel(bf16_dots: bool):
             def call():
-                module.use_bf16_path(path_on)
-                return module.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
+                return module.paged_decode_attention(q, k_cache, v_cache, tables, lens, d ** -0.5, bf16_dots=bf16_dots)
             return call
 
         row = {"batch": batch, "context": DECODE_CONTEXT}
         paths = [("float", kernel(False)), ("sdpa", sdpa)]
-        if module.use_bf16_path(True):  # else this CPU has no AVX-512 BF16: the float path is the kernel here
+        if module.has_bf16_dots():  # else this CPU has no AVX-512 BF16: the float path is the kernel here
             paths.insert(0, ("avx512bf16", kernel(True)))
         seconds = {name: [] for name, _ in paths}
         for rep in range(repeats):  # call by call, the order turned every round: the host's drift weighs alike
@@ -148,7 +147,6 @@ def decode_rows(gen: torch.Generator, repeats: int) -> list[dict]:
         for name, fn in paths:
             row[f"{name}_us"] = round(statistics.median(seconds[name]) * 1e6, 1)
             row[f"{name}_max_err_vs_float64"] = round((fn().double() - want).abs().max().item(), 5)
-        module.use_bf16_path(True)
         rows.append(row)
         fast = row.get("avx512bf16_us")
         print(f"decode batch {batch:3d} x {DECODE_CONTEXT} tokens: " +

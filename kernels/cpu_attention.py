@@ -39,18 +39,20 @@ def block_shape(block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtyp
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           starts: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
+                           starts: torch.Tensor | None = None, softcap: float = 0.0,
+                           bf16_dots: bool = True) -> torch.Tensor:
     """q [seqs, heads, d]; caches [blocks, *block_shape(...)]; returns [seqs, heads, d].
     ``starts`` [seqs]: the first position each query sees (a sliding window's), None: position 0; blocks
     before a start's block are never read, so a sliding-window sequence may have given them back.
     ``softcap`` > 0: each scaled score becomes tanh(score / softcap) * softcap before the softmax (Gemma 2's
-    attention logit soft-capping); 0: none.
+    attention logit soft-capping); 0: none. ``bf16_dots`` False: a bfloat16 cache's scores from its rows widened
+    to float32 and FMAs, where the build would use ``vdpbf16ps`` (the tune stage's ``cpp-float`` choice).
 
     The kernel checks every index before reading through it (each context length in 1 .. table
     width x block size, each start below its length, each block id it reaches inside the cache) and
     raises RuntimeError naming the bad entry, so a wrong table is an error, never an out-of-bounds read."""
     return _module().paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, starts,
-                                            softcap=softcap)
+                                            softcap=softcap, bf16_dots=bf16_dots)
 
 
 def store_kv_(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,

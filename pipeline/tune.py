@@ -24,7 +24,7 @@ from .config import BuildConfig
 from .stage import StageResult, content_key, link_tree, run_stage
 
 log = logging.getLogger("infer.build")
-TUNE_VERSION = 1
+TUNE_VERSION = 2  # 2: decode attention also times the paged kernel's float path (cpp-float)
 
 
 class TuneError(ValueError):

@@ -94,6 +94,58 @@ def test_fused_steps_give_the_python_loops_tokens_and_logprobs(embedded_artifact
         assert kinds["decodes"] >= 2 * 15 and kinds["prompts"] == kinds["mixed"] == 0, kinds
 
 
+class _FloatDotsFromTwo:
+    """A tuning table that measured the decode kernel's float path faster from two decodes up (cpp-float)."""
+    buckets = [1, 2, 4, 8]
+
+    @staticmethod
+    def decode_attention(rows):
+        return "cpp-float" if rows >= 2 else "cpp"
+
+
+@pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: the model runs its Python layer loop, "
+                                          "which every other engine test covers")
+def test_a_table_choosing_the_float_decode_path_runs_it_in_the_one_call_step_and_the_loop_alike(embedded_artifact):
+    """The tune stage's cpp-float: decode rows of a batch of two or more attend on the paged kernel's float path
+    (bf16_dots=False) in the one-call step, its decode bursts and the layer loop alike, which give the same bits;
+    where the build has AVX-512 BF16 the tokens' logprobs then differ from the default path's (the choice is
+    real), and a single decode keeps the default."""
+    from dataclasses import replace
+
+    from pydoc_data.topics import topics
+
+    fused, plain, counting = _two_engines(embedded_artifact, False, max_num_batched_tokens=96, prefill_batch_tokens=0)
+    default = LLM(embedded_artifact, dtype="bfloat16", kv_cache_memory=64 << 20, tuning="off", amx=False,
+                  max_num_batched_tokens=96, prefill_batch_tokens=0)
+    seen = []
+    for llm in (fused, plain):
+        runner = llm.engine.runner
+        runner.plan = replace(runner.plan, tuning=_FloatDotsFromTwo())
+        context = runner._context
+
+        def spy(inputs, context=context):
+            seen.append((len(inputs.decode_rows), inputs.bf16_dots))
+            return context(inputs)
+
+        runner._context = spy
+    text = "".join(topics.values())
+    start = random.randrange(len(text) - 3000)
+    prompts = [fused.tokenizer.encode(text[start + 1000 * i:start + 1000 * i + 900])[:n]
+               for i, n in enumerate((40, 70, 90))]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    got = fused.generate(prompts, params)
+    _same_bits(got, plain.generate(prompts, params))
+    assert counting.kinds["decodes"] >= 1, counting.kinds
+    assert seen and all(dots == (decodes < 2) for decodes, dots in seen), seen
+    assert any(decodes >= 2 for decodes, _ in seen), seen
+    from infer.kernels import cpu_attention
+
+    if cpu_attention.load().has_bf16_dots():  # else the float path is the only one this build has
+        want = default.generate(prompts, params)
+        assert any([a["logprob"] for a in g.logprobs] != [b["logprob"] for b in w.logprobs]
+                   for g, w in zip(got, want)), "the float path gave the vdpbf16ps path's bits"
+
+
 @pytest.mark.skipif(FUSED is None, reason="this CPU has no AVX2 + FMA: the model runs its Python layer loop, "
                                           "which every other engine test covers")
 def test_a_step_without_chunks_whose_rows_are_not_all_decodes_is_refused(embedded_artifact):
@@ -107,7 +159,7 @@ def test_a_step_without_chunks_whose_rows_are_not_all_decodes_is_refused(embedde
         FUSED.step_layers(x, torch.empty_like(x), fused.weights, kv_cache, torch.zeros(3, **long),
                           torch.zeros(3, **long), fused.rotary.cos, fused.rotary.sin, *fused.no_chunks,
                           torch.arange(2), torch.zeros(2, 1, **long), torch.ones(2, **long), *fused.no_chunks[:1],
-                          fused.window_layers, False, cfg.num_heads,
+                          fused.window_layers, False, True, cfg.num_heads,
                           cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
 
 
@@ -134,7 +186,7 @@ def test_a_decode_steps_bad_slot_or_table_is_refused_before_anything_is_written(
     with pytest.raises(RuntimeError, match=match):
         FUSED.step_layers(x, torch.empty_like(x), fused.weights, kv_cache, slots, torch.zeros(2, **long),
                           fused.rotary.cos, fused.rotary.sin, *fused.no_chunks, torch.arange(2), tables, lens,
-                          *fused.no_chunks[:1], fused.window_layers, False, cfg.num_heads, cfg.num_kv_heads,
+                          *fused.no_chunks[:1], fused.window_layers, False, True, cfg.num_heads, cfg.num_kv_heads,
                           cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps)
     assert torch.equal(kv_cache, before)
 
@@ -171,7 +223,7 @@ def test_fused_steps_with_qkv_bias_match_the_python_loop(tmp_path, embedded_arti
     fused, qkv = llm.engine.model.fused_step, llm.engine.model.layers[0].self_attn.qkv_proj
     assert fused is not None and qkv.bias is not None and qkv.kernel == ("amx" if amx else "blocks")
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     counting = llm.engine.model.fused_step = _Counting(fused)
     got = llm.generate(prompts, params)
     llm.engine.model.fused_step = None
@@ -217,7 +269,7 @@ def test_fused_steps_of_a_w4a16_model_match_the_python_loop(tmp_path, embedded_a
     fused = model.fused_step
     assert fused is not None
     prompts = [[random.randrange(100, 49000) for _ in range(random.randint(5, 40))] for _ in range(2)]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0, prompt_logprobs=0)
     counting = model.fused_step = _Counting(fused)
     got = llm.generate(prompts, params)
     model.fused_step = None

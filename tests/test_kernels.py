@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -42,16 +43,17 @@ def test_kernel_builds_here():
 
 @contextlib.contextmanager
 def decode_path(path: str):
-    """A bfloat16 cache's decode path: "avx512bf16" where the CPU has it, or "float" (what a CPU
-    without it runs), forced so that both are checked on this host."""
-    module = cpu_attention.load()
-    if path == "avx512bf16" and not module.use_bf16_path(True):
+    """A bfloat16 cache's decode path: "avx512bf16" where the CPU has it, or "float" (what a CPU without it runs,
+    and what the tuning's ``cpp-float`` chooses), passed as the kernel's bf16_dots to every call inside, so that
+    both are checked on this host."""
+    if path == "avx512bf16" and not cpu_attention.load().has_bf16_dots():
         pytest.skip("this CPU has no AVX-512 BF16: only the float path exists here (the 'float' case ran)")
-    module.use_bf16_path(path == "avx512bf16")
+    original = cpu_attention.paged_decode_attention
+    cpu_attention.paged_decode_attention = functools.partial(original, bf16_dots=path == "avx512bf16")
     try:
         yield
     finally:
-        module.use_bf16_path(True)
+        cpu_attention.paged_decode_attention = original
 
 
 @pytest.fixture(params=["avx512bf16", "float"])
@@ -431,19 +433,19 @@ def test_kernel_attends_from_each_rows_start_and_never_reads_blocks_before_it(ca
     for i, s in enumerate(starts.tolist()):
         given_back[i, :s // 16] = 10 ** 9  # a block before the start's block: an id no cache has
     module = cpu_attention.load()
-    if path == "avx512bf16" and not module.use_bf16_path(True):
+    if path == "avx512bf16" and not module.has_bf16_dots():
         pytest.skip("this CPU has no AVX-512 BF16: only the float path exists here (the 'float' case ran)")
-    module.use_bf16_path(path != "float")
+    dots = {"bf16_dots": path != "float"}
     module.use_q8_fixed_path(path == "registers")
     fixed_shape = head_dim in (64, 128)
     try:
-        got = cpu_attention.paged_decode_attention(q, k, v, given_back, lens, head_dim ** -0.5, starts)
+        got = cpu_attention.paged_decode_attention(q, k, v, given_back, lens, head_dim ** -0.5, starts, **dots)
         alone = cpu_attention.paged_decode_attention(q[3:4], k, v, given_back[3:4], lens[3:4], head_dim ** -0.5,
-                                                     starts[3:4])
-        full = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5, torch.zeros_like(lens))
-        plain = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5)
+                                                     starts[3:4], **dots)
+        full = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5, torch.zeros_like(lens),
+                                                    **dots)
+        plain = cpu_attention.paged_decode_attention(q, k, v, tables, lens, head_dim ** -0.5, **dots)
     finally:
-        module.use_bf16_path(True)
         module.use_q8_fixed_path(True)
     err = ((got.double() - want).abs() - want.abs() * rounding).max().item()
     print(case, "fixed shape" if fixed_shape else "general shape", "max |diff| beyond rounding", err)
@@ -490,17 +492,16 @@ def test_kernel_soft_caps_the_scores(case, heads, kv_heads, head_dim):
     scale, cap = 0.5 / head_dim ** 0.5 * 3, 1.5  # scores of a few units: the cap bends them
     starts = random_starts(lens, gen)
     module = cpu_attention.load()
-    if path == "avx512bf16" and not module.use_bf16_path(True):
+    if path == "avx512bf16" and not module.has_bf16_dots():
         pytest.skip("this CPU has no AVX-512 BF16: only the float path exists here (the 'float' case ran)")
-    module.use_bf16_path(path != "float")
+    dots = {"bf16_dots": path != "float"}
     module.use_q8_fixed_path(path == "registers")
     try:
-        got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=cap)
-        windowed = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, starts, softcap=cap)
-        uncapped = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=0.0)
-        plain = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale)
+        got = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=cap, **dots)
+        windowed = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, starts, softcap=cap, **dots)
+        uncapped = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, softcap=0.0, **dots)
+        plain = cpu_attention.paged_decode_attention(q, k, v, tables, lens, scale, **dots)
     finally:
-        module.use_bf16_path(True)
         module.use_q8_fixed_path(True)
     zeros = torch.zeros_like(lens)
     for out, first in ((got, zeros), (windowed, starts)):

@@ -633,16 +633,8 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
 using Bf16Task = void (*)(const uint16_t* const*, const uint16_t*, const uint16_t*, const int64_t*, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float);
 
-// Whether a bfloat16 cache takes bf16_task: tests turn it off to check the float path on this host
-// (the one a CPU without AVX-512 BF16 runs).
-inline std::atomic<bool>& bf16_path_on() {
-  static std::atomic<bool> on{true};
-  return on;
-}
-
 // The bfloat16 task for this shape, or nullptr (the float path then runs).
 inline Bf16Task pick_bf16_task(int64_t group, int64_t head_dim) {
-  if (!bf16_path_on()) return nullptr;
 #define INFER_CASE(G, KD) if (group == G && head_dim == 32 * KD) return &bf16_task<G, KD>;
   INFER_CASE(1, 1) INFER_CASE(2, 1) INFER_CASE(3, 1) INFER_CASE(4, 1) INFER_CASE(1, 2) INFER_CASE(2, 2)
   INFER_CASE(3, 2) INFER_CASE(4, 2) INFER_CASE(5, 2) INFER_CASE(6, 2) INFER_CASE(7, 2) INFER_CASE(8, 2)
@@ -863,7 +855,7 @@ template <typename T>
 void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
                    const int64_t* context_lens, const int64_t* starts, T* out, int64_t num_seqs, int64_t num_heads,
                    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_blocks,
-                   float scale, float softcap) {
+                   float scale, float softcap, bool bf16_dots = true) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;    // between tokens of a block
   const int64_t block_stride = block_size * token_stride;  // between blocks
@@ -871,7 +863,7 @@ void decode_kernel(const T* q, const T* k_cache, const T* v_cache, const int64_t
   const FixedTask fixed = pick_fixed_task<T>(group, head_dim);
 #endif
 #if defined(__AVX512BF16__)
-  if (const Bf16Task bf16 = std::is_same_v<T, at::BFloat16> ? pick_bf16_task(group, head_dim) : nullptr) {
+  if (const Bf16Task bf16 = std::is_same_v<T, at::BFloat16> && bf16_dots ? pick_bf16_task(group, head_dim) : nullptr) {
     decode_bf16(bf16, q, k_cache, v_cache, block_tables, context_lens, starts, out, num_seqs, num_heads, num_kv_heads,
                 head_dim, block_size, max_blocks, scale, softcap);
     return;
@@ -985,10 +977,13 @@ inline void check_decode_tables(const int64_t* lens, const int64_t* tables, cons
 // context length in 1 .. max_blocks * block_size, a start in 0 .. length - 1, and each block id it reaches
 // in 0 .. blocks - 1. Entries of a table before its start's block or past its context are never read and
 // may hold anything. softcap > 0: each scaled score becomes tanh(score / softcap) * softcap before the
-// softmax (Gemma 2's attention logit soft-capping); 0: none.
+// softmax (Gemma 2's attention logit soft-capping); 0: none. bf16_dots: a bfloat16 cache's scores on vdpbf16ps
+// where the build has AVX-512 BF16 (bf16_task); false: its rows widened to float32 and FMAs (the float path),
+// which the tune stage may choose per batch (faster on Intel's Sapphire Rapids cores, slower on AMD's Zen 4/5).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
-                                     c10::optional<torch::Tensor> starts_opt, double softcap = 0.0) {
+                                     c10::optional<torch::Tensor> starts_opt, double softcap = 0.0,
+                                     bool bf16_dots = true) {
   for (const auto& t : {q, k_cache, v_cache, block_tables, context_lens})
     TORCH_CHECK(t.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -1043,7 +1038,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     decode_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
                             block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), starts,
                             out.data_ptr<scalar_t>(), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                            max_blocks, static_cast<float>(scale), static_cast<float>(softcap));
+                            max_blocks, static_cast<float>(scale), static_cast<float>(softcap), bf16_dots);
   };
   switch (q.scalar_type()) {
     case at::kFloat: run(float{}); break;
@@ -1138,18 +1133,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, as torch's own ops run: the server's event loop goes on while a layer attends
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over a paged KV cache (CPU)",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("context_lens"),
-        py::arg("scale"), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::call_guard<py::gil_scoped_release>());
+        py::arg("scale"), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::arg("bf16_dots") = true,
+        py::call_guard<py::gil_scoped_release>());
   m.def("store_kv_", &store_kv_, "write new keys and values into their paged cache slots (CPU)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("use_bf16_path", [](bool on) {
+  m.def("has_bf16_dots", [] {
 #if defined(__AVX512BF16__)
-    bf16_path_on() = on;
     return true;
 #else
-    (void)on;
     return false;  // built without AVX-512 BF16: the float path is the only one
 #endif
-  }, "whether a bfloat16 cache takes the AVX-512 BF16 path (tests: false checks the float path); returns whether it exists");
+  }, "whether a bfloat16 cache's scores can run on vdpbf16ps in this build (paged_decode_attention's bf16_dots)");
   m.def("use_q8_fixed_path", [](bool on) { q8_fixed_on() = on; },
         "whether an int8 cache takes the register-resident task for its shape (tests: false checks the general loops)");
 }

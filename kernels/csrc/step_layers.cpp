@@ -116,9 +116,10 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
                      const torch::Tensor& chunk_cached, const torch::Tensor& chunk_tables,
                      const torch::Tensor& decode_rows, const torch::Tensor& block_tables,
                      const torch::Tensor& context_lens, const c10::optional<torch::Tensor>& starts, double scale,
-                     bool amx_chunks) {
+                     bool amx_chunks, bool bf16_dots) {
   if (chunk_starts.numel() == 0)
-    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, starts);
+    return attention::paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, starts, 0.0,
+                                             bf16_dots);
   torch::Tensor out = torch::empty(q.sizes(), q.options());
   if (amx_chunks) {
 #ifdef INFER_STEP_AMX
@@ -132,7 +133,7 @@ torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& k_cache, const
   }
   if (decode_rows.numel() > 0) {
     torch::Tensor od = attention::paged_decode_attention(q.index_select(0, decode_rows), k_cache, v_cache,
-                                                         block_tables, context_lens, scale, starts);
+                                                         block_tables, context_lens, scale, starts, 0.0, bf16_dots);
     out.index_copy_(0, decode_rows, od);
   }
   return out;
@@ -154,6 +155,7 @@ struct StepWeights {
 // chunk_starts, chunk_lengths, chunk_cached [C] (first row, rows this step, tokens cached before),
 // chunk_tables [C, W]. Decodes: decode_rows [D] (their rows; ignored without chunks), block_tables
 // [D, W'], context_lens [D]. amx_chunks: the chunks on AMX tiles (what the engine runs where AMX is on).
+// bf16_dots: the decodes' scores on vdpbf16ps where built in, else float32 FMAs (paged_attention.cpp's choice).
 // Sliding windows: decode_starts [D] (each decode's window's first position) and window_layers [layers] bool
 // (the layers that read them), or both empty.
 torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, const StepWeights& step_weights,
@@ -161,7 +163,7 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, const StepWei
                           torch::Tensor sin, torch::Tensor chunk_starts, torch::Tensor chunk_lengths,
                           torch::Tensor chunk_cached, torch::Tensor chunk_tables, torch::Tensor decode_rows,
                           torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor decode_starts,
-                          torch::Tensor window_layers, bool amx_chunks, int64_t heads,
+                          torch::Tensor window_layers, bool amx_chunks, bool bf16_dots, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t intermediate, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16,
               "step_layers: x must be contiguous [T, H] bfloat16");
@@ -241,7 +243,8 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, const StepWei
                             reinterpret_cast<const char*>(row + q_size + kv_size), qkv_size * bf16, kv_size * bf16);
       attention::decode_kernel<at::BFloat16>(q, k_cache, v_cache, tables, lens, windowed && windowed[l] ? starts : nullptr,
                                              attn_rows.data_ptr<at::BFloat16>(), rows, heads, kv_heads, head_dim,
-                                             kv_cache.size(3), block_tables.size(1), static_cast<float>(scale), 0.f);
+                                             kv_cache.size(3), block_tables.size(1), static_cast<float>(scale), 0.f,
+                                             bf16_dots);
       attn = attn_rows;
     } else {
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({rows, heads, head_dim});
@@ -252,7 +255,7 @@ torch::Tensor step_layers(torch::Tensor x, torch::Tensor residual, const StepWei
       attn = attend(q, k_cache, v_cache, chunk_starts, chunk_lengths, chunk_cached, chunk_tables, decode_rows,
                     block_tables, context_lens,
                     windowed && windowed[l] ? c10::optional<torch::Tensor>(decode_starts) : c10::nullopt, scale,
-                    amx_chunks)
+                    amx_chunks, bf16_dots)
                  .view({rows, q_size});
     }
     torch::Tensor o = run_linear(attn, lin + LINEAR_SLOTS, hidden, c10::nullopt);
@@ -287,13 +290,14 @@ int64_t finite_argmax(const float* row, int64_t vocab) {
 // inv_temperature above 0; draws empty: every row greedy). Each row r's first step is at position
 // first_positions[r], its blocks (every step's) in block_tables; stops[r]: its stop tokens. Ends after a step where
 // a row chose one of its stops, and before a step where a row's logits are not finite (or leave a sampled row no
-// distribution). Returns the steps' tokens, [steps done, rows] int64.
+// distribution). bf16_dots: as step_layers'. Returns the steps' tokens, [steps done, rows] int64.
 torch::Tensor decode_steps(torch::Tensor tokens, torch::Tensor first_positions, const StepWeights& step_weights,
                            torch::Tensor kv_cache, torch::Tensor block_tables, torch::Tensor cos, torch::Tensor sin,
                            torch::Tensor embedding, torch::Tensor norm_weight, torch::Tensor head, int64_t vocab,
                            std::vector<std::vector<int64_t>> stops, int64_t steps, int64_t heads, int64_t kv_heads,
                            int64_t head_dim, int64_t intermediate, double eps, torch::Tensor draws,
-                           torch::Tensor inv_temperature, torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p) {
+                           torch::Tensor inv_temperature, torch::Tensor top_k, torch::Tensor top_p, torch::Tensor min_p,
+                           bool bf16_dots) {
   const int64_t rows = tokens.numel(), block_size = kv_cache.size(3);
   TORCH_CHECK(tokens.scalar_type() == at::kLong && first_positions.scalar_type() == at::kLong &&
                   first_positions.numel() == rows && block_tables.scalar_type() == at::kLong &&
@@ -337,8 +341,8 @@ torch::Tensor decode_steps(torch::Tensor tokens, torch::Tensor first_positions, 
     torch::Tensor x = embedding.index_select(0, ids);
     torch::Tensor residual = torch::empty_like(x);
     torch::Tensor h = step_layers(x, residual, step_weights, kv_cache, slots, positions, cos, sin, none, none, none,
-                                  no_tables, decode_rows, block_tables, lens, none, no_windows, false, heads, kv_heads,
-                                  head_dim, intermediate, eps);
+                                  no_tables, decode_rows, block_tables, lens, none, no_windows, false, bf16_dots, heads,
+                                  kv_heads, head_dim, intermediate, eps);
     layer_ops::add_rms_norm_(h, residual, norm_weight, eps);
     torch::Tensor logits;
     if (head.dim() == 4 && head.size(3) != 2) {

@@ -39,11 +39,12 @@ class PagedAttention:
                  prefills: list[PrefillChunk], decode_rows: torch.Tensor, decode_blocks: torch.Tensor,
                  decode_lens: torch.Tensor, decode_kernel=None, store_kv=None, chunk_kernel=None,
                  decode_starts: torch.Tensor | None = None, windowed_layers: tuple[bool, ...] | None = None,
-                 one_call: bool = False):
+                 one_call: bool = False, bf16_dots: bool = True):
         """``chunk_kernel``: the prompt chunks' (fresh ones and those after cached tokens alike), or None: SDPA.
         ``one_call``: the plan's route for this step (runtime/engine/plan.py): the model hands the whole step to
-        the one-call C++ step, which reads this context's tensors."""
-        self.one_call = one_call
+        the one-call C++ step, which reads this context's tensors. ``bf16_dots`` False: the C++ decode kernel
+        reads a bfloat16 cache on its float path (the tuning's ``cpp-float``)."""
+        self.one_call, self.bf16_dots = one_call, bf16_dots
         if kv_cache.dtype == torch.int8 and (decode_kernel is None or store_kv is None or prefills):
             # the SDPA paths would need a dequantized copy of the context: the model runner sends every row
             # of an int8 cache through the C++ kernels (ModelRunner's kv_dtype)
@@ -84,6 +85,8 @@ class PagedAttention:
         kernel_scale = d ** -0.5 if scale is None else scale
         # the decode kernel's keyword arguments: the cap (none: the kernels' results bit for bit as before)
         cap = {"softcap": softcap} if softcap else {}
+        if not self.bf16_dots:
+            cap["bf16_dots"] = False
         if softcap and self.in_place:
             raise ValueError("attention logit soft-capping (Gemma 2) is not implemented in the chunk and prefill "
                              "kernels: such a model's prompt chunks take the decode kernel or SDPA "

@@ -63,6 +63,7 @@ class StepInputs:
     # [D] each decode row's sliding window's first position (position - window + 1, at least 0); None: the
     # model has no sliding-window layer
     decode_starts: torch.Tensor | None = None
+    bf16_dots: bool = True  # the decode kernel's scores on vdpbf16ps where built in (False: its float path)
 
     # read into Python lists to build the prompt chunks, never by a kernel: they stay on the host
     HOST_FIELDS = ("chunk_starts", "chunk_lengths", "chunk_contexts")
@@ -187,6 +188,7 @@ class ModelRunner:
                 chunk_tables.append(table[:-(-end // bs)])
             row += n
         decode_kernel = self.plan.decode_on_kernel(len(decode_rows))
+        bf16_dots = self.plan.decode_bf16_dots(len(decode_rows))
         one_call = self.plan.route(len(chunks), len(decode_rows)) == (ONE_CALL,)
         chunk_info = torch.tensor(chunks, dtype=torch.long).view(len(chunks), 3) if chunks else self._no_chunks
         pin = self._pinned
@@ -199,7 +201,7 @@ class ModelRunner:
             starts = pin(flat[3 * t + d:].sub(self.window).clamp_(min=0))
         return StepInputs(flat[:t], flat[t:2 * t], flat[2 * t:3 * t], chunk_info[:, 0], chunk_info[:, 1],
                           chunk_info[:, 2], pin(_padded(chunk_tables)), flat[3 * t:3 * t + d],
-                          pin(_padded(decode_tables)), flat[3 * t + d:], decode_kernel, one_call, starts)
+                          pin(_padded(decode_tables)), flat[3 * t + d:], decode_kernel, one_call, starts, bf16_dots)
 
     def _pinned(self, t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory() if self.pin else t
@@ -213,7 +215,7 @@ class ModelRunner:
         return PagedAttention(self.kv_cache, bs, inputs.slots, prefills, inputs.decode_rows, inputs.decode_blocks,
                               inputs.decode_lens, self.decode_kernel if inputs.decode_kernel else None,
                               self.store_kv, self.chunk_kernel, inputs.decode_starts, self.windowed_layers,
-                              inputs.one_call)
+                              inputs.one_call, inputs.bf16_dots)
 
     def _threads(self, rows: int) -> None:
         """The table's thread count for a step of this many rows (the process default without one).
@@ -284,7 +286,8 @@ class ModelRunner:
             sampling = (draws.contiguous(), *kernel_params(seqs, self.model.config.vocab_size))
         return self.model.fused_step.burst(self.kv_cache, [s.token_ids[-1] for s in seqs],
                                            [s.num_computed_tokens for s in seqs], _padded([s.block_table for s in seqs]),
-                                           [sorted(stop) for stop in stops], steps, sampling)
+                                           [sorted(stop) for stop in stops], steps, sampling,
+                                           self.plan.decode_bf16_dots(len(seqs)))
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:

@@ -74,6 +74,11 @@ class Plan:
             return True  # an int8 cache is read by the decode kernel alone
         return self.tuning.decode_attention(rows) != "torch-sdpa"
 
+    def decode_bf16_dots(self, rows: int) -> bool:
+        """False where the tuning table chose the decode kernel's float path (``cpp-float``) for ``rows`` decode
+        rows on a bfloat16 cache (the kernel's flag; it reads an int8 or float cache the same either way)."""
+        return self.tuning is None or not rows or self.tuning.decode_attention(rows) != "cpp-float"
+
     def route(self, chunks: int, decode_rows: int) -> tuple[str, ...]:
         """What runs a step with ``chunks`` prompt chunks and ``decode_rows`` decode rows: (ONE_CALL,) or
         the layer loop's attention paths, each "what:kernel" (decode:cpp, decode:torch-sdpa,
@@ -97,6 +102,9 @@ class Plan:
             sdpa = [b for b in self.tuning.buckets if not self.decode_on_kernel(b)]
             if sdpa:
                 d["sdpa_decode_batches"] = sdpa
+            widened = [b for b in self.tuning.buckets if self.decode_on_kernel(b) and not self.decode_bf16_dots(b)]
+            if widened:
+                d["float_dot_decode_batches"] = widened
         return d
 
 

@@ -131,8 +131,8 @@ class FusedStep:
         residual = torch.empty_like(x)
         out = self.module.step_layers(x, residual, self.weights, ctx.kv_cache, ctx.slot_mapping, positions,
                                       self.rotary.cos, self.rotary.sin, *chunks, ctx.decode_rows, ctx.decode_blocks,
-                                      ctx.decode_lens, self._starts(ctx), self.window_layers, self.amx_chunks, heads,
-                                      kv_heads, head_dim, intermediate, eps)
+                                      ctx.decode_lens, self._starts(ctx), self.window_layers, self.amx_chunks,
+                                      ctx.bf16_dots, heads, kv_heads, head_dim, intermediate, eps)
         return out, residual
 
     @property
@@ -142,16 +142,18 @@ class FusedStep:
         return self.head is not None
 
     def burst(self, kv_cache: torch.Tensor, tokens: list[int], first_positions: list[int], block_tables: torch.Tensor,
-              stops: list[list[int]], steps: int, sampling: tuple[torch.Tensor, ...] | None = None) -> list[list[int]]:
+              stops: list[list[int]], steps: int, sampling: tuple[torch.Tensor, ...] | None = None,
+              bf16_dots: bool = True) -> list[list[int]]:
         """Up to ``steps`` decode steps of these rows back to back, each row's next token its argmax or, with
         ``sampling`` (draws [steps, rows] uniforms, then a row each: 1 / temperature (0: greedy), top-k, top-p,
-        min-p), the sampler's draw, in one C++ call (kernels/csrc/step_layers.cpp decode_steps): the tokens a step."""
+        min-p), the sampler's draw, in one C++ call (kernels/csrc/step_layers.cpp decode_steps): the tokens a step.
+        ``bf16_dots``: as a step's (PagedAttention's): False runs the decode kernel's float path."""
         heads, kv_heads, head_dim, intermediate, eps = self.dims
         out = self.module.decode_steps(torch.tensor(tokens, dtype=torch.long),
                                        torch.tensor(first_positions, dtype=torch.long), self.weights, kv_cache,
                                        block_tables, self.rotary.cos, self.rotary.sin, self.embedding, self.norm.weight,
                                        self.head, self.vocab, stops, steps, heads, kv_heads, head_dim, intermediate,
-                                       eps, *(sampling or _GREEDY))
+                                       eps, *(sampling or _GREEDY), bf16_dots)
         return out.tolist()
 
     def _starts(self, ctx) -> torch.Tensor:

@@ -198,7 +198,7 @@ def encode_step(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     field says whether the decode rows' sliding-window starts follow."""
     windowed = s.decode_starts is not None
     header = torch.tensor([STEP, len(s.input_ids), s.chunk_blocks.shape[0], s.chunk_blocks.shape[1],
-                           s.decode_blocks.shape[0], s.decode_blocks.shape[1], int(s.decode_kernel), int(windowed)])
+                           s.decode_blocks.shape[0], s.decode_blocks.shape[1], _decode_path(s), int(windowed)])
     payload = torch.cat([s.input_ids, s.positions, s.slots, s.chunk_starts, s.chunk_lengths, s.chunk_contexts,
                          s.chunk_blocks.flatten(), s.decode_rows, s.decode_blocks.flatten(), s.decode_lens]
                         + ([s.decode_starts] if windowed else []))
@@ -211,11 +211,17 @@ def step_size(header: torch.Tensor) -> int:
 
 
 def decode_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
-    _, t, p, w, d, wd, decode_kernel, windowed = header.tolist()
+    _, t, p, w, d, wd, decode_path, windowed = header.tolist()
     parts = payload.split([t, t, t, p, p, p, p * w, d, d * wd, d, windowed * d])
     # one_call stays False: a tensor-parallel rank runs the layer loop (the C++ step has no all-reduce)
     return StepInputs(*parts[:6], parts[6].view(p, w), parts[7], parts[8].view(d, wd), parts[9],
-                      decode_kernel=bool(decode_kernel), decode_starts=parts[10] if windowed else None)
+                      decode_kernel=decode_path > 0, decode_starts=parts[10] if windowed else None,
+                      bf16_dots=decode_path != 2)
+
+
+def _decode_path(s: StepInputs) -> int:
+    """A step's decode attention as one header field: 0 gather + SDPA, 1 the C++ kernel, 2 it on its float path."""
+    return 0 if not s.decode_kernel else 1 if s.bf16_dots else 2
 
 
 def header(command: int, *sizes: int) -> torch.Tensor:
