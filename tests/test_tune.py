@@ -70,6 +70,22 @@ def test_a_table_from_other_hardware_is_ignored_with_one_warning_naming_what_dif
     assert type(llm.engine.model.layers[0].mlp.down_proj).__name__ == "PackedLinear"  # the defaults
 
 
+def test_a_table_measured_in_another_dtype_is_ignored_with_one_warning(bf16_artifact, tmp_path, caplog):
+    """The default build's table times float32 steps: a bfloat16 engine (infer-run --dtype bfloat16 on such an
+    artifact) followed its decode-attention and thread choices, which were never timed for its kernels."""
+    from infer.runtime import LLM
+
+    path = tuning.write(_table(tuning.hardware(), dtype="float32"), tmp_path / "float32.json")
+    with caplog.at_level(logging.WARNING):
+        llm = LLM(bf16_artifact, tuning=str(path), kv_cache_memory=64 << 20)
+    warnings = [r.getMessage() for r in caplog.records if "tuning table measured in" in r.getMessage()]
+    assert len(warnings) == 1 and "float32" in warnings[0] and "--dtype bfloat16 --retune" in warnings[0], warnings
+    assert llm.engine.tuning is None and llm.engine.plan.tuning is None
+    same = LLM(bf16_artifact, tuning=str(tuning.write(_table(tuning.hardware()), tmp_path / "bf16.json")),
+               kv_cache_memory=64 << 20)
+    assert same.engine.tuning is not None  # measured in bfloat16: followed
+
+
 def test_a_linear_choice_timed_without_a_kernel_this_runtime_has_is_not_followed(bf16_artifact, tmp_path, caplog):
     """A table from before a kernel existed chose among fewer: its choice for that shape is stale."""
     from infer.runtime import LLM

@@ -188,6 +188,19 @@ def load_tuning(artifact: Artifact, setting: str):
     return table
 
 
+def for_dtype(table, dtype: torch.dtype):
+    """The table where it was measured in the dtype the model runs in, else None with one warning: a float32
+    artifact's table (the default build) timed float32 decode steps, which say nothing of a bfloat16 engine's
+    kernels (its linear shapes are keyed by dtype and were never timed; decode attention's alternatives differ)."""
+    measured = None if table is None else table.table.get("dtype")
+    running = str(dtype).removeprefix("torch.")
+    if measured is None or measured == running:
+        return table
+    log.warning("tuning table measured in %s, the model runs in %s: using the default kernels; infer-run ART "
+                "--dtype %s --retune measures them", measured, running, running)
+    return None
+
+
 class LLMEngine:
     def __init__(self, artifact: Artifact | str | os.PathLike, config: EngineConfig | None = None, **overrides):
         """``artifact``: a verified Artifact (as the CLI, the server and eval pass it), or a path to verify."""
@@ -220,6 +233,7 @@ class LLMEngine:
             cfg.kernels, amx=cfg.amx, dtype=d, head_dim=mcfg.head_dim, block_size=cfg.block_size, device=self.device),
             hf_config=self.artifact.config, files=self.artifact.weight_files(), tuning=self.tuning, **on)
         self.kernels = self.model.kernels
+        self.tuning = for_dtype(self.tuning, self.model.dtype)
         loaded = time.perf_counter()
         model_len = mcfg.max_position_embeddings
         self.max_model_len = min(cfg.max_model_len or model_len, model_len)
