@@ -23,7 +23,9 @@ from .throughput import RESULTS, default_artifact, make_requests, save_json
 def _engine(artifact: Path, tuning: str, batch: int):
     from infer.runtime import LLMEngine
 
-    return LLMEngine(artifact, tuning=tuning, max_num_seqs=batch, kv_cache_memory=1 << 30)
+    # one decode step an engine.step(): with bursts on, a step ran up to 8 of them, as many as fit its time budget,
+    # so the two engines' "steps" held different numbers of decode steps
+    return LLMEngine(artifact, tuning=tuning, max_num_seqs=batch, kv_cache_memory=1 << 30, decode_burst=1)
 
 
 def _fill(engine, batch: int, vocab: int) -> None:
