@@ -10,7 +10,8 @@ the real alternatives with the model's real shapes and records every timing and 
   one with the least time summed over the buckets);
 - ``decode_attention``: per bucket (decode sequences in a step), the C++ paged kernel, on a bfloat16 cache
   where it is built with AVX-512 BF16 also its float path (``cpp-float``: rows widened, FMAs; faster than
-  ``vdpbf16ps`` on some cores: 0.83-0.95x on a Sapphire Rapids Xeon, where Zen 4/5 favour the dots), or gather +
+  ``vdpbf16ps`` on some cores: 0.83-0.95x the dots' time a layer on an AMX Xeon, where Zen 4/5 favour the dots;
+  docs/benchmarks/2026-12-07f-xeon-amx.md), or gather +
   SDPA (all read the same cache, so this switches step by step);
 - ``threads``: per bucket (rows in a step), how many of the cores a step uses (not chosen on a busy
   machine, where fewer threads win only because other work holds the cores).

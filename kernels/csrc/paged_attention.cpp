@@ -979,7 +979,7 @@ inline void check_decode_tables(const int64_t* lens, const int64_t* tables, cons
 // may hold anything. softcap > 0: each scaled score becomes tanh(score / softcap) * softcap before the
 // softmax (Gemma 2's attention logit soft-capping); 0: none. bf16_dots: a bfloat16 cache's scores on vdpbf16ps
 // where the build has AVX-512 BF16 (bf16_task); false: its rows widened to float32 and FMAs (the float path),
-// which the tune stage may choose per batch (faster on Intel's Sapphire Rapids cores, slower on AMD's Zen 4/5).
+// which the tune stage may choose per batch (faster by a layer on an AMX Xeon, slower on AMD's Zen 4/5).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor context_lens, double scale,
                                      c10::optional<torch::Tensor> starts_opt, double softcap = 0.0,
