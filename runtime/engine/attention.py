@@ -83,7 +83,8 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache[layer, 0], self.kv_cache[layer, 1]
         kvh, d = k.shape[1], k.shape[2]
         kernel_scale = d ** -0.5 if scale is None else scale
-        # the decode kernel's keyword arguments: the cap (none: the kernels' results bit for bit as before)
+        # the decode kernel's keyword arguments: the cap, the float path where chosen, a window's starts (none of
+        # them: the kernel's defaults)
         cap = {"softcap": softcap} if softcap else {}
         if not self.bf16_dots:
             cap["bf16_dots"] = False
