@@ -74,7 +74,8 @@ SHAPES = [
     (16, 40, 256, True),  # the first that takes work items from the counter
     (70, 96, 64, False),  # prompt-chunk rows in tiles, and their remainders
     (33, 3072, 576, True),  # AMX-INT8 (where the class is amx): one row in a second row tile, wide blocks
-    (100, 100, 1536, False),  # AMX-INT8: a partial 32-column block, work items of 64 rows and a rest of 36
+    (100, 100, 1536, False),  # AMX-INT8: a partial 32-column block, row tiles of 32 and a rest of 4
+    (300, 96, 2048, True),  # AMX-INT8: rows in two row blocks (256 and 44: int8_linear.cpp's kAmxRowBlockBytes)
 ]
 
 

@@ -149,23 +149,28 @@ void rotary_rows(T* x, int64_t row_stride, const int64_t* positions, const float
     for (int64_t r = begin; r < end; ++r) {
       const float* c = cos + positions[r] * head_dim;
       const float* s = sin + positions[r] * head_dim;
-      for (int64_t hd = 0; hd < heads; ++hd) {
-        T* xh = x + r * row_stride + hd * head_dim;
-        int64_t i = 0;
+      int64_t vec = 0;  // pairs done 16 at a time
 #if defined(__AVX512F__)
-        // 16 pairs at once, the same products and roundings (a decode row's 12 heads took ~5 us a layer scalar)
-        for (; i + 16 <= half; i += 16) {
-          const __m512 x1 = load16(xh + i), x2 = load16(xh + i + half);
-          const __m512 c1 = round16(load16(c + i), T{}), s1 = round16(load16(s + i), T{});
-          const __m512 c2 = round16(load16(c + i + half), T{}), s2 = round16(load16(s + i + half), T{});
+      // 16 pairs at once, the same products and roundings (a decode row's 12 heads took ~5 us a layer scalar); the
+      // position's rounded cos and sin loaded once for all the row's heads (loaded once a head, a 256-token prompt's
+      // 256 x 12 heads took 44 us against 35, Xeon amx class, interleaved)
+      for (; vec + 16 <= half; vec += 16) {
+        const __m512 c1 = round16(load16(c + vec), T{}), s1 = round16(load16(s + vec), T{});
+        const __m512 c2 = round16(load16(c + vec + half), T{}), s2 = round16(load16(s + vec + half), T{});
+        for (int64_t hd = 0; hd < heads; ++hd) {
+          T* xh = x + r * row_stride + hd * head_dim + vec;
+          const __m512 x1 = load16(xh), x2 = load16(xh + half);
           const __m512 neg_x2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
           const __m512 a = _mm512_add_ps(round16(_mm512_mul_ps(x1, c1), T{}), round16(_mm512_mul_ps(neg_x2, s1), T{}));
           const __m512 b = _mm512_add_ps(round16(_mm512_mul_ps(x2, c2), T{}), round16(_mm512_mul_ps(x1, s2), T{}));
-          store16(xh + i, a);
-          store16(xh + i + half, b);
+          store16(xh, a);
+          store16(xh + half, b);
         }
+      }
 #endif
-        for (; i < half; ++i) {
+      for (int64_t hd = 0; hd < heads; ++hd) {
+        T* xh = x + r * row_stride + hd * head_dim;
+        for (int64_t i = vec; i < half; ++i) {
           const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
           const float a = round_to<T>(x1 * round_to<T>(c[i])) + round_to<T>(-x2 * round_to<T>(s[i]));
           const float b = round_to<T>(x2 * round_to<T>(c[i + half])) + round_to<T>(x1 * round_to<T>(s[i + half]));
