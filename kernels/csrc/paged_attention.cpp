@@ -334,6 +334,24 @@ inline vecf sum_lanes(const vecf* v) {
 }
 #endif
 
+// A sequence's token rows for one KV head in order (the token-major cache: a token's row every token_stride
+// values, its head's n values at offset), walking its block table: one lookup a block, no division a token. Each row
+// asks for the same token's row kAheadBlocks blocks on (see the top of the file).
+template <typename T>
+struct CacheRows {
+  const T* cache;
+  const int64_t* table;
+  int64_t len, block_size, block_stride, token_stride, offset, n;
+  int64_t block = 0, in_block = 0;
+  const T* next() {
+    if ((block + kAheadBlocks) * block_size + in_block < len)
+      prefetch_row(cache + table[block + kAheadBlocks] * block_stride + in_block * token_stride + offset, n);
+    const T* row = cache + table[block] * block_stride + in_block * token_stride + offset;
+    if (++in_block == block_size) in_block = 0, ++block;
+    return row;
+  }
+};
+
 // The dim that position i of a split row holds: per 2 kVec dims, the even ones, then the odd ones
 inline int split_dim(int i) {
   const int base = i / (2 * kVec) * (2 * kVec), j = i % (2 * kVec);
@@ -380,26 +398,18 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) q[g][d] = vload(row + d * kVec);
   }
   vecf part[G][kVec];  // the current kVec tokens' products, a vector a (head, token), summed together
-  int64_t t = 0;
-  for (int64_t b = 0; t < len; ++b) {
-    const T* rows = k_cache + table[b] * block_stride + kv_offset;
-    const bool ahead = (b + kAheadBlocks) * block_size < len;
-    const T* later = ahead ? k_cache + table[b + kAheadBlocks] * block_stride + kv_offset : nullptr;
-    const int64_t n = std::min(block_size, len - t);
-    for (int64_t i = 0; i < n; ++i, ++t) {
-      if (ahead && (b + kAheadBlocks) * block_size + i < len) prefetch_row(later + i * token_stride, D * kVec);
-      const T* k = rows + i * token_stride;
-      vecf kr[D];
-      load_rows<split, D>(k, kr);
-      const int j = static_cast<int>(t & (kVec - 1));
-      for (int g = 0; g < G; ++g) {
-        vecf a = vmul(q[g][0], kr[0]);
-        for (int d = 1; d < D; ++d) a = vfma(q[g][d], kr[d], a);
-        part[g][j] = a;
-      }
-      if (j == kVec - 1)
-        for (int g = 0; g < G; ++g) vstore(scores + g * len + t + 1 - kVec, sum_lanes(part[g]));
+  CacheRows<T> keys{k_cache, table, len, block_size, block_stride, token_stride, kv_offset, D * kVec};
+  for (int64_t t = 0; t < len; ++t) {
+    vecf kr[D];
+    load_rows<split, D>(keys.next(), kr);
+    const int j = static_cast<int>(t & (kVec - 1));
+    for (int g = 0; g < G; ++g) {
+      vecf a = vmul(q[g][0], kr[0]);
+      for (int d = 1; d < D; ++d) a = vfma(q[g][d], kr[d], a);
+      part[g][j] = a;
     }
+    if (j == kVec - 1)
+      for (int g = 0; g < G; ++g) vstore(scores + g * len + t + 1 - kVec, sum_lanes(part[g]));
   }
   for (int64_t u = len / kVec * kVec; u < len; ++u)
     for (int g = 0; g < G; ++g) scores[g * len + u] = vsum(part[g][u & (kVec - 1)]);
@@ -408,21 +418,13 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
   vecf acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = vzero();
-  t = 0;
-  for (int64_t b = 0; t < len; ++b) {
-    const T* rows = v_cache + table[b] * block_stride + kv_offset;
-    const bool ahead = (b + kAheadBlocks) * block_size < len;
-    const T* later = ahead ? v_cache + table[b + kAheadBlocks] * block_stride + kv_offset : nullptr;
-    const int64_t n = std::min(block_size, len - t);
-    for (int64_t i = 0; i < n; ++i, ++t) {
-      if (ahead && (b + kAheadBlocks) * block_size + i < len) prefetch_row(later + i * token_stride, D * kVec);
-      const T* v = rows + i * token_stride;
-      vecf vr[D];
-      load_rows<split, D>(v, vr);
-      for (int g = 0; g < G; ++g) {
-        const vecf p = vset1(scores[g * len + t]);
-        for (int d = 0; d < D; ++d) acc[g][d] = vfma(p, vr[d], acc[g][d]);
-      }
+  CacheRows<T> values{v_cache, table, len, block_size, block_stride, token_stride, kv_offset, D * kVec};
+  for (int64_t t = 0; t < len; ++t) {
+    vecf vr[D];
+    load_rows<split, D>(values.next(), vr);
+    for (int g = 0; g < G; ++g) {
+      const vecf p = vset1(scores[g * len + t]);
+      for (int d = 0; d < D; ++d) acc[g][d] = vfma(p, vr[d], acc[g][d]);
     }
   }
   for (int g = 0; g < G; ++g) {
