@@ -935,17 +935,13 @@ inline bool w8a8_tiles(int64_t m, int64_t k) {
 #endif
 }
 
-// fn(block, first row, end row) for a W8A16 / FP8 call: on AMX tiles (`tiles`), each thread a contiguous run of
-// blocks over rows in chunks of kWidenedRowChunk, as amx_linear.cpp splits (work items from a shared counter took
-// 1.07x as long for FP8 at 256 x 3072 x 576 on the Xeon `amx` host, medians of 5 interleaved rounds: 708 against 662
-// us); otherwise work items as for_blocks_and_rows makes them.
+// fn(block, first row, end row) for a W8A16 / FP8 call: on AMX tiles (`tiles`), a contiguous run of blocks a thread
+// (for_column_runs; work items from a shared counter took 1.07x as long for FP8 at 256 x 3072 x 576 on the Xeon `amx`
+// host, medians of 5 interleaved rounds: 708 against 662 us); otherwise for_blocks_and_rows' work items.
 template <typename Fn>
 void for_tile_blocks(int64_t m, int64_t blocks, bool tiles, const Fn& fn) {
-  if (!tiles) return infer::for_blocks_and_rows(m, blocks, fn, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
-  at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t r = 0; r < m; r += kWidenedRowChunk)
-      for (int64_t blk = first; blk < last; ++blk) fn(blk, r, std::min(m, r + kWidenedRowChunk));
-  });
+  if (tiles) return infer::for_column_runs(m, blocks, kWidenedRowChunk, fn);
+  infer::for_blocks_and_rows(m, blocks, fn, m >= 8 ? kWidenedRowChunk : infer::kRowChunk);
 }
 
 // W8A16 (xscale empty: x as it is) and FP8 (x's rows quantized to e4m3 first) over the [blocks, K, W] layout
@@ -1087,21 +1083,16 @@ torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   if (tiles) {
     std::memset(xw + m * xwords, 128, (padded - m) * xwords * 4);  // code 0: the pad rows multiply to nothing
     const auto* xu = reinterpret_cast<const uint8_t*>(xw);
-    // Each thread a contiguous run of column blocks over all rows (in row blocks of about kAmxRowBlockBytes of
-    // codes, kept in L2), as amx_linear.cpp splits: a block's weights are read once a row block, and a thread's outputs
-    // of a row lie side by side. Work items of 64 rows from a shared counter (for_blocks_and_rows) read each block's
-    // weights once per item and took 1.13x as long (256 x 3072 x 576 on the Xeon `amx` host, medians of 5 interleaved
-    // rounds: 332 against 293 us; items of 256 rows 320).
-    const int64_t ldx = 4 * xwords, rows_per_block = std::max<int64_t>(32, kAmxRowBlockBytes / ldx / 32 * 32);
-    at::parallel_for(0, in.blocks, 1, [&](int64_t first, int64_t last) {
-      for (int64_t r = 0; r < m; r += rows_per_block)
-        for (int64_t blk = first; blk < last; ++blk) {
-          const int64_t r1 = std::min(m, r + rows_per_block);
-          if (a.width == 64)
-            amx_rows_of_block8<64 / kLanes>(a, xu, ldx, blk, r, r1);
-          else
-            amx_rows_of_block8<32 / kLanes>(a, xu, ldx, blk, r, r1);
-        }
+    // A contiguous run of blocks a thread over rows in runs of about kAmxRowBlockBytes of codes (for_column_runs).
+    // Work items of 64 rows from a shared counter (for_blocks_and_rows) read each block's weights once per item and
+    // took 1.13x as long (256 x 3072 x 576 on the Xeon `amx` host, medians of 5 interleaved rounds: 332 against 293
+    // us; items of 256 rows 320).
+    const int64_t ldx = 4 * xwords, rows_per_run = std::max<int64_t>(32, kAmxRowBlockBytes / ldx / 32 * 32);
+    infer::for_column_runs(m, in.blocks, rows_per_run, [&](int64_t blk, int64_t r, int64_t r1) {
+      if (a.width == 64)
+        amx_rows_of_block8<64 / kLanes>(a, xu, ldx, blk, r, r1);
+      else
+        amx_rows_of_block8<32 / kLanes>(a, xu, ldx, blk, r, r1);
     });
     return y;
   }
