@@ -334,21 +334,32 @@ inline vecf sum_lanes(const vecf* v) {
 }
 #endif
 
-// A sequence's token rows for one KV head in order (the token-major cache: a token's row every token_stride
-// values, its head's n values at offset), walking its block table: one lookup a block, no division a token. Each row
-// asks for the same token's row kAheadBlocks blocks on (see the top of the file).
+// Walks a sequence's token rows for one KV head through its block table from a given token (the token-major cache:
+// a token's row every token_stride values, its head's at offset): one lookup a block, no division a token.
 template <typename T>
-struct CacheRows {
+struct TokenRows {
   const T* cache;
   const int64_t* table;
-  int64_t len, block_size, block_stride, token_stride, offset, n;
-  int64_t block = 0, in_block = 0;
+  int64_t block_size, block_stride, token_stride, offset;
+  int64_t block, in_block;
+  const T* at(int64_t b, int64_t i) const { return cache + table[b] * block_stride + i * token_stride + offset; }
   const T* next() {
-    if ((block + kAheadBlocks) * block_size + in_block < len)
-      prefetch_row(cache + table[block + kAheadBlocks] * block_stride + in_block * token_stride + offset, n);
-    const T* row = cache + table[block] * block_stride + in_block * token_stride + offset;
+    const T* row = at(block, in_block);
     if (++in_block == block_size) in_block = 0, ++block;
     return row;
+  }
+};
+
+// TokenRows from a sequence's first token, each row asking for the same token's row kAheadBlocks blocks on (its
+// head's n values; see the top of the file) while that lies within the len tokens.
+template <typename T>
+struct CacheRows {
+  TokenRows<T> rows;
+  int64_t len, n;
+  const T* next() {
+    if ((rows.block + kAheadBlocks) * rows.block_size + rows.in_block < len)
+      prefetch_row(rows.at(rows.block + kAheadBlocks, rows.in_block), n);
+    return rows.next();
   }
 };
 
@@ -398,7 +409,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
     for (int d = 0; d < D; ++d) q[g][d] = vload(row + d * kVec);
   }
   vecf part[G][kVec];  // the current kVec tokens' products, a vector a (head, token), summed together
-  CacheRows<T> keys{k_cache, table, len, block_size, block_stride, token_stride, kv_offset, D * kVec};
+  CacheRows<T> keys{{k_cache, table, block_size, block_stride, token_stride, kv_offset, 0, 0}, len, D * kVec};
   for (int64_t t = 0; t < len; ++t) {
     vecf kr[D];
     load_rows<split, D>(keys.next(), kr);
@@ -418,7 +429,7 @@ void fixed_task(const float* qf, const T* k_cache, const T* v_cache, const int64
   vecf acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = vzero();
-  CacheRows<T> values{v_cache, table, len, block_size, block_stride, token_stride, kv_offset, D * kVec};
+  CacheRows<T> values{{v_cache, table, block_size, block_stride, token_stride, kv_offset, 0, 0}, len, D * kVec};
   for (int64_t t = 0; t < len; ++t) {
     vecf vr[D];
     load_rows<split, D>(values.next(), vr);
@@ -603,20 +614,6 @@ void q8i_task(const float* qf, const int8_t* k_cache, const int8_t* v_cache, con
 
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-// Walks a sequence's token rows through its block table from a given token: one lookup a block, no division a
-// token.
-struct TokenRows {
-  const uint16_t* cache;
-  const int64_t* table;
-  int64_t block_size, block_stride, token_stride, offset;
-  int64_t block, in_block;
-  const uint16_t* next() {
-    const uint16_t* row = cache + table[block] * block_stride + in_block * token_stride + offset;
-    if (++in_block == block_size) in_block = 0, ++block;
-    return row;
-  }
-};
-
 // One (sequence, KV head) task on a bfloat16 cache, over the sequence's tokens t0 .. t1 (of its visible context,
 // counted from its table's first block; tokens before `skip` lie before a sliding window): G query heads,
 // head_dim = 32 * KD. q rows are bfloat16 (the model's own values, unscaled: the scale multiplies the scores).
@@ -632,10 +629,11 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < KD; ++c) qv[g][c] = (__m512bh)_mm512_loadu_si512(q[g] + 32 * c);
   const __m512 sc = _mm512_set1_ps(scale);
-  TokenRows keys{k_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size, t0 % block_size};
+  TokenRows<uint16_t> keys{k_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size,
+                          t0 % block_size};
   // the span's rows, keys then values, asked for kAheadRows ahead of their use: a head's 64 * KD bytes of a
   // token lie between the other heads' (token_stride apart), which the hardware's prefetchers follow too slowly
-  TokenRows ahead_k = keys, ahead_v{v_cache, table, block_size, block_stride, token_stride, kv_offset,
+  TokenRows<uint16_t> ahead_k = keys, ahead_v{v_cache, table, block_size, block_stride, token_stride, kv_offset,
                                     t0 / block_size, t0 % block_size};
   int64_t asked = 0;  // rows asked for so far, of the span's 2 * len
   const auto ask = [&](int64_t upto) {
@@ -676,7 +674,8 @@ void bf16_task(const uint16_t* const* q, const uint16_t* k_cache, const uint16_t
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < 2 * KD; ++c) acc[g][c] = _mm512_setzero_ps();
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
-  TokenRows values{v_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size, t0 % block_size};
+  TokenRows<uint16_t> values{v_cache, table, block_size, block_stride, token_stride, kv_offset, t0 / block_size,
+                            t0 % block_size};
   for (int64_t t = 0; t < len; ++t) {
     if (t % 8 == 0) ask(len + t + 8 + kAheadRows);
     const uint16_t* row = values.next();
