@@ -130,6 +130,29 @@ def test_column_block_linear_takes_strided_rows_and_checks_its_inputs():
     assert not bf16_linear.fits(torch.zeros(8, 7, dtype=torch.bfloat16))  # odd K: stays on oneDNN
 
 
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_column_block_linear_rounds_as_torch_including_nan_and_inf(rows):
+    """Each output rounded once to bfloat16 as torch rounds the float32 sums (to nearest even; NaN stays NaN,
+    infinities kept), whole vectors in registers and a last part-full block's columns one by one."""
+    gen = torch.Generator().manual_seed(torch.initial_seed())
+    print("seed", torch.initial_seed())
+    linear = _random_linear(100, 64, True, gen)  # a 64-column block and 36 columns of a second
+    packed = PackedLinear(linear, "blocks", BF16)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    x[0, 5] = float("nan")  # row 0: every output NaN
+    if rows > 1:
+        x[1] = 0
+        x[1, 0] = float("inf")  # row 1: +-inf where the weight's sign says, NaN where it is 0 (none here)
+        x[1, 1] = 3e38  # and sums past the bfloat16 range: infinity once rounded
+    got, sums = packed(x), packed(x, float_out=True)
+    nan = torch.isnan(got)
+    assert nan[0].all() and torch.equal(nan, torch.isnan(sums))
+    bits = lambda t: t.view(torch.int16)  # (torch's vectorized rounding gives NaN other bits than its scalar one)
+    assert torch.equal(bits(sums.bfloat16())[~nan], bits(got)[~nan])
+    if rows > 1:
+        assert torch.isinf(got[1]).all() and torch.equal(torch.sign(got[1].float()), torch.sign(linear.weight[:, 0].float()))
+
+
 def _tiny_model(intermediate: int = 128):
     from infer.runtime.model import ModelConfig, Transformer
 
