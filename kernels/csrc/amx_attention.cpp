@@ -177,8 +177,7 @@ void chunk_rows(const Task& t, int64_t start, int64_t i0, int64_t m, int64_t cac
             t.out + (start + i0 + r % m) * t.out_row + (h * group + r / m) * t.out_head + c0 * kTileRows;
         const __m512 inv = _mm512_set1_ps(inv_sum[r]);
         for (int64_t y = 0; y < cols * kTileRows; y += kTileRows) {
-          const __m512i bits = infer::bf16_round_bits(_mm512_mul_ps(_mm512_load_ps(&o[x][y]), inv));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + y), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+          infer::store_bf16(dst + y, _mm512_mul_ps(_mm512_load_ps(&o[x][y]), inv));
         }
       }
     }

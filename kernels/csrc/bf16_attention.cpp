@@ -69,10 +69,7 @@ inline RowPair row_pair(const uint16_t* p) {
 inline vf vzero() { return _mm512_setzero_ps(); }
 inline void vstore(float* p, vf v) { _mm512_storeu_ps(p, v); }
 // v / sum (v * inv), rounded to bfloat16, to 16 outputs
-inline void store_bf16(uint16_t* o, vf v, float inv) {
-  const __m512i bits = infer::bf16_round_bits(_mm512_mul_ps(v, _mm512_set1_ps(inv)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-}
+inline void store_bf16(uint16_t* o, vf v, float inv) { infer::store_bf16(o, _mm512_mul_ps(v, _mm512_set1_ps(inv))); }
 // dst[c] = r0[c] | r1[c] << 16 for 16 columns (r1 null: zero)
 inline void pack_token_pair(const uint16_t* r0, const uint16_t* r1, uint32_t* dst) {
   const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
@@ -107,11 +104,7 @@ inline vf dot_pairs(vf acc, Pairs a, RowPair b) {
 }
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline void vstore(float* p, vf v) { _mm256_storeu_ps(p, v); }
-inline void store_bf16(uint16_t* o, vf v, float inv) {
-  const __m256i bits = _mm256_srli_epi32(infer::bf16_round_bits(_mm256_mul_ps(v, _mm256_set1_ps(inv))), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(o),
-                   _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1)));
-}
+inline void store_bf16(uint16_t* o, vf v, float inv) { infer::store_bf16(o, _mm256_mul_ps(v, _mm256_set1_ps(inv))); }
 inline void pack_token_pair(const uint16_t* r0, const uint16_t* r1, uint32_t* dst) {
   const __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r0)));
   const __m256i hi = r1 != nullptr ? _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r1)))

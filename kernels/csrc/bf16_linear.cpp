@@ -71,9 +71,6 @@ inline Bf16Inputs check_bf16_inputs(const torch::Tensor& x, const torch::Tensor&
 
 namespace {
 
-inline __m256i to_bf16(__m512 v) {
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
-}
 
 // y[0:ROWS, 16*J0 .. 16*(J0+LANES) of the block's columns] = x[0:ROWS] . those columns + bias: LANES of the
 // VECS vectors of 16 columns a pair row of the block holds (all of them, or half of a 64-column block).
@@ -110,7 +107,7 @@ inline void tile(const uint16_t* x, int64_t ldx, int64_t pairs, const uint16_t* 
       if constexpr (std::is_same_v<Out, float>)
         _mm512_mask_storeu_ps(y + r * ldy + col, live, acc[r][j]);
       else
-        _mm256_mask_storeu_epi16(y + r * ldy + col, live, to_bf16(acc[r][j]));
+        _mm256_mask_storeu_epi16(y + r * ldy + col, live, infer::to_bf16(acc[r][j]));
     }
 }
 
@@ -209,23 +206,11 @@ inline vf bias_vector(const float* bias, int64_t col, int64_t n) {
 // they are (float32 out). A whole vector is rounded in registers (one value at a time, the rounding took 5-9% of a
 // 256-token prompt's linears on the FMA classes); a NaN stays a NaN there, its payload in the high half as every NaN
 // of sums of bfloat16 products has it.
-#if defined(__AVX512F__)
-inline void store_bf16(uint16_t* y, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16)));
-}
-#else
-inline void store_bf16(uint16_t* y, __m256 v) {
-  const __m256i bits = _mm256_srli_epi32(infer::bf16_round_bits(v), 16);
-  // packus works within 128-bit halves: words 0-3 twice, then 4-7 twice; quadwords 0 and 2 are the 8 in order
-  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_castsi256_si128(words));
-}
-#endif
 template <typename Out>
 inline void store_sums(Out* y, vf v, int64_t col, int64_t n) {
   if (col + kLanes <= n) {
     if constexpr (std::is_same_v<Out, float>) vstore(y, v);
-    else store_bf16(y, v);
+    else infer::store_bf16(y, v);
     return;
   }
   alignas(64) float out[kLanes];

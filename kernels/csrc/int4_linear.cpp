@@ -120,9 +120,6 @@ struct Args {
   int64_t m, n, k, groups, group_words;
 };
 
-inline __m256i to_bf16(__m512 v) {
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16));
-}
 
 // The sums of groups g .. g + GROUPS over ROWS rows for one 32-column block: each group's pairs in order, one
 // vdpbf16ps chain a row, vector and group, the sums a prompt tile makes. Two groups give a decode row four chains,
@@ -195,7 +192,7 @@ inline void tile(const Args& a, int64_t blk, int64_t r0) {
     const __mmask16 live = col + 16 <= a.n ? 0xFFFF : static_cast<__mmask16>((1u << (a.n - col)) - 1);
     const __m512 b = a.bias != nullptr ? _mm512_maskz_loadu_ps(live, a.bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r)
-      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.n + col, live, to_bf16(_mm512_add_ps(y[r][h], b)));
+      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.n + col, live, infer::to_bf16(_mm512_add_ps(y[r][h], b)));
   }
 }
 
@@ -271,7 +268,7 @@ inline void tile_pairs(const Args& a, const int32_t* const* wp, int64_t blk, int
     const __mmask16 live = col + 16 <= a.n ? 0xFFFF : static_cast<__mmask16>((1u << (a.n - col)) - 1);
     const __m512 b = a.bias != nullptr ? _mm512_maskz_loadu_ps(live, a.bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < ROWS; ++r)
-      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.n + col, live, to_bf16(_mm512_add_ps(_mm512_load_ps(y[r][v]), b)));
+      _mm256_mask_storeu_epi16(a.y + (r0 + r) * a.n + col, live, infer::to_bf16(_mm512_add_ps(_mm512_load_ps(y[r][v]), b)));
   }
 }
 
@@ -341,7 +338,7 @@ void amx_rows(const Args& a, const uint16_t* xa, int64_t blk, const int32_t* wt,
       const __mmask16 live = col + 16 <= a.n ? 0xFFFF : static_cast<__mmask16>((1u << (a.n - col)) - 1);
       const __m512 b = a.bias != nullptr ? _mm512_maskz_loadu_ps(live, a.bias + col) : _mm512_setzero_ps();
       for (int64_t q = 0; q < rows; ++q)
-        _mm256_mask_storeu_epi16(a.y + (i + q) * a.n + col, live, to_bf16(_mm512_add_ps(_mm512_load_ps(y[q] + 16 * h), b)));
+        _mm256_mask_storeu_epi16(a.y + (i + q) * a.n + col, live, infer::to_bf16(_mm512_add_ps(_mm512_load_ps(y[q] + 16 * h), b)));
     }
   }
   _tile_release();
@@ -461,13 +458,6 @@ inline vf load_bf16(const uint16_t* p) {  // 16 bfloat16 widened (exact)
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
-// a whole vector rounded to bfloat16 as infer::from_float rounds (nearest even, finite values) and stored
-inline void store_bf16(uint16_t* p, vf v) {
-  __m512i b = _mm512_castps_si512(v);
-  b = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)),
-                                         _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
-}
 #else
 using vf = __m256;
 using vi = __m256i;
@@ -489,12 +479,6 @@ inline vi vsrl(vi v, int n) { return _mm256_srli_epi32(v, n); }
 inline vf load_bf16(const uint16_t* p) {
   return _mm256_castsi256_ps(
       _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-inline void store_bf16(uint16_t* p, vf v) {
-  __m256i b = _mm256_castps_si256(v);
-  b = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)),
-                                         _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))), 16);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 #endif
 constexpr int V = BLOCK_N / kLanes;  // vectors a block row
@@ -657,7 +641,7 @@ inline void tile_widened(const Args& a, const float* wf, int64_t blk, int64_t c0
     for (int r = 0; r < ROWS; ++r) {
       uint16_t* yr = a.y + (r0 + r) * a.n + col;
       if (col + kLanes <= a.n) {
-        store_bf16(yr, vadd(vload(y[r][v]), a.bias != nullptr ? vload(a.bias + col) : vzero()));
+        infer::store_bf16(yr, vadd(vload(y[r][v]), a.bias != nullptr ? vload(a.bias + col) : vzero()));
         continue;
       }
       for (int i = 0; i < kLanes && col + i < a.n; ++i)

@@ -366,14 +366,7 @@ constexpr bool kVnni = false;
 INFER_INLINE void store_row(vf sum, vf scale, const float* bias, uint16_t* y, int64_t col, int64_t n) {
   if (col + kLanes <= n) {  // a whole vector: rounded to nearest even in registers (finite values), as from_float
     const vf v = vfma(sum, scale, bias != nullptr ? vload(bias + col) : vzero());
-#if defined(__AVX512F__)
-    const __m512i b = _mm512_srli_epi32(infer::bf16_round_bits(v), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + col), _mm512_cvtepi32_epi16(b));
-#else
-    const __m256i b = _mm256_srli_epi32(infer::bf16_round_bits(v), 16);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + col),
-                     _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
-#endif
+    infer::store_bf16(y + col, v);
     return;
   }
   alignas(64) float b[kLanes] = {};

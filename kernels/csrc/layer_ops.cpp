@@ -85,9 +85,7 @@ inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
-inline void store16(at::BFloat16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(infer::bf16_round_bits(v), 16)));
-}
+inline void store16(at::BFloat16* p, __m512 v) { infer::store_bf16(p, v); }
 inline void store16(at::Half* p, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
@@ -118,12 +116,7 @@ inline __m256 load8(const at::BFloat16* p) {
 }
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void store8(at::BFloat16* p, __m256 v) {
-  const __m256i high = _mm256_srli_epi32(infer::bf16_round_bits(v), 16);
-  // packus works within 128-bit halves: words 0-3 twice, then 4-7 twice; quadwords 0 and 2 are the 8 in order
-  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
-}
+inline void store8(at::BFloat16* p, __m256 v) { infer::store_bf16(p, v); }
 inline void store8(at::Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
