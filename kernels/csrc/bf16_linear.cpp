@@ -71,7 +71,6 @@ inline Bf16Inputs check_bf16_inputs(const torch::Tensor& x, const torch::Tensor&
 
 namespace {
 
-
 // y[0:ROWS, 16*J0 .. 16*(J0+LANES) of the block's columns] = x[0:ROWS] . those columns + bias: LANES of the
 // VECS vectors of 16 columns a pair row of the block holds (all of them, or half of a 64-column block).
 template <int ROWS, int LANES, int VECS = LANES, typename Out>

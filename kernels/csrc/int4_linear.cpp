@@ -120,7 +120,6 @@ struct Args {
   int64_t m, n, k, groups, group_words;
 };
 
-
 // The sums of groups g .. g + GROUPS over ROWS rows for one 32-column block: each group's pairs in order, one
 // vdpbf16ps chain a row, vector and group, the sums a prompt tile makes. Two groups give a decode row four chains,
 // which hide vdpbf16ps's latency, read from one stream (stored_words: a pair of groups' words alternate).

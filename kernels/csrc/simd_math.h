@@ -60,7 +60,7 @@ __attribute__((always_inline)) inline __m256i bf16_round_bits(__m256 v) {
   return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
 }
 
-// 8 lanes rounded to bfloat16 so (as infer::from_float rounds finite values) and stored at p
+// 8 lanes rounded to the nearest even bfloat16 (as infer::from_float rounds finite values), stored at p
 __attribute__((always_inline)) inline void store_bf16(void* p, __m256 v) {
   const __m256i b = _mm256_srli_epi32(bf16_round_bits(v), 16);
   _mm_storeu_si128(static_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
@@ -131,10 +131,10 @@ inline __m512i bf16_round_bits(__m512 v) {
   return _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
 }
 
-// 16 lanes rounded to bfloat16 so (as infer::from_float rounds finite values): their 16 bits, and stored at p
+// 16 lanes rounded to the nearest even bfloat16 (as infer::from_float rounds finite values): their 16 bits, or
+// stored at p
 inline __m256i to_bf16(__m512 v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bf16_round_bits(v), 16)); }
 inline void store_bf16(void* p, __m512 v) { _mm256_storeu_si256(static_cast<__m256i*>(p), to_bf16(v)); }
-
 
 // One attention row's probabilities, unnormalised: p[j] = exp(scale * s[j] - max) for the first
 // `visible` scores, zero from there to `width`, rounded to bfloat16 (nearest even) and stored as its
